@@ -1,0 +1,1 @@
+"""Benchmarks: measured, never asserted. Each prints the command that produced its figures."""

@@ -1,0 +1,224 @@
+"""The layers of one Grok-1 decoder block, as Flax linen modules (GROK1.md §3.2–§3.6).
+
+Parameter names and shapes follow the published Haiku tree exactly (``multi_head_attention/query/w``
+``[D, N*H]``, ``moe/linear/w`` ``[E, D, F]``, ...), so a checkpoint maps onto it by name. Any weight
+may be a float array or a ``QuantizedWeight8bit``; it is dequantised inside the computation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+from model.quant import QuantizedWeight8bit, dequantize, is_quantized
+
+_MASKED = -1e30  # Grok-1: masked attention logits are set to -1e30
+
+
+def _fan_in_normal(fan_in_axes: tuple[int, ...]):
+    """Normal initialiser scaled by 1/sqrt(fan-in); only used for fresh (untrained) parameters."""
+
+    def init(key, shape, dtype=jnp.float32):
+        fan_in = math.prod(shape[a] for a in fan_in_axes)
+        return jax.random.normal(key, shape, dtype) / math.sqrt(fan_in)
+
+    return init
+
+
+class Weight(nn.Module):
+    """One weight ``w`` (float or int8), like a bias-free Haiku ``Linear`` without the matmul."""
+
+    shape: tuple[int, ...]
+    fan_in_axes: tuple[int, ...] = (-2,)
+
+    @nn.compact
+    def __call__(self):
+        return self.param("w", _fan_in_normal(self.fan_in_axes), self.shape, jnp.float32)
+
+
+class RMSNorm(nn.Module):
+    """Grok-1 RMSNorm: float32 math, the scale multiplies directly (not ``1 + scale``), no bias."""
+
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)  # norms in float32
+        ms = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        return (scale.astype(jnp.float32) * x32 * jax.lax.rsqrt(ms + self.eps)).astype(x.dtype)
+
+
+def rotary_embedding(x_BTnH, positions_BT, base: float):
+    """Rotate-half (GPT-NeoX layout) RoPE over the full head dim, phases in float32 (GROK1.md §3.4)."""
+    h = x_BTnH.shape[-1]
+    inv_freq_h = 1.0 / base ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
+    phase_BTh = positions_BT.astype(jnp.float32)[:, :, None] * inv_freq_h
+    phase_BTH = jnp.concatenate([phase_BTh, phase_BTh], axis=-1)[:, :, None, :]  # [B,T,1,H]
+    x32 = x_BTnH.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., h // 2:], x32[..., : h // 2]], axis=-1)
+    return (x32 * jnp.cos(phase_BTH) + rotated * jnp.sin(phase_BTH)).astype(x_BTnH.dtype)
+
+
+class MultiHeadAttention(nn.Module):
+    """Grouped-query attention with RoPE, Grok-1's logit soft-cap and an optional KV cache."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, mask_BTS, cache=None):
+        """``mask_BTS[b, t, s]`` says whether query t of row b may attend to key s.
+
+        Without ``cache`` the keys are this chunk's own (S = T). With ``cache = (k_BSKH, v_BSKH)``
+        the chunk's K/V are written at ``positions_BT`` first and the keys are the whole cache; the
+        updated cache is returned.
+        """
+        c = self.config
+        d, n, k, h, g = c.emb_size, c.num_q_heads, c.num_kv_heads, c.key_size, c.q_per_kv
+        dtype = x_BTD.dtype
+        b, t, _ = x_BTD.shape
+        wq_DNH = dequantize(Weight((d, n * h), name="query")(), dtype).reshape(d, n, h)
+        wk_DKH = dequantize(Weight((d, k * h), name="key")(), dtype).reshape(d, k, h)
+        wv_DKH = dequantize(Weight((d, k * h), name="value")(), dtype).reshape(d, k, h)
+        wo_ND = dequantize(Weight((n * h, d), name="linear")(), dtype)
+
+        q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, wq_DNH)
+        k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, wk_DKH)
+        v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, wv_DKH)
+        # The same positions (cache step + t) rotate queries and keys.
+        q_BTNH = rotary_embedding(q_BTNH, positions_BT, c.rope_base)
+        k_BTKH = rotary_embedding(k_BTKH, positions_BT, c.rope_base)
+
+        if cache is not None:
+            k_BSKH, v_BSKH = cache
+            rows_BT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+            # Scatter with mode="drop": a padded position past sequence_len is dropped, never
+            # clamped onto valid entries (XLA's dynamic_update_slice would clamp).
+            k_BSKH = k_BSKH.at[rows_BT, positions_BT].set(k_BTKH.astype(k_BSKH.dtype), mode="drop")
+            v_BSKH = v_BSKH.at[rows_BT, positions_BT].set(v_BTKH.astype(v_BSKH.dtype), mode="drop")
+            cache = (k_BSKH, v_BSKH)
+            k_BSKH, v_BSKH = k_BSKH.astype(dtype), v_BSKH.astype(dtype)
+        else:
+            k_BSKH, v_BSKH = k_BTKH, v_BTKH
+
+        # GQA: query head j uses KV head j // g (contiguous groups of g query heads).
+        q_BTKGH = q_BTNH.reshape(b, t, k, g, h)
+        logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH).astype(jnp.float32)
+        # Grok-1: logits x attn_output_multiplier, then soft-capped at 30 * tanh(x / 30).
+        logits_BKGTS = logits_BKGTS * c.attn_output_multiplier
+        logits_BKGTS = c.attn_logit_cap * jnp.tanh(logits_BKGTS / c.attn_logit_cap)
+        logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
+        weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dtype)  # softmax in float32
+        out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", weights_BKGTS, v_BSKH)
+        out_BTD = jnp.einsum("BTM,MD->BTD", out_BTKGH.reshape(b, t, n * h), wo_ND)
+        return out_BTD, cache
+
+
+def _gelu_glu(x_MD, w_gate, w_up, w_down, spec_in, spec_out):
+    """One GeGLU expert application: down(gelu_tanh(x W_gate) * (x W_up))."""
+    gate = jnp.einsum(spec_in, x_MD, w_gate)
+    up = jnp.einsum(spec_in, x_MD, w_up)
+    return jnp.einsum(spec_out, jax.nn.gelu(gate, approximate=True) * up, w_down)
+
+
+def _take_expert(w, idx_M):
+    """Expert slices ``w[idx]`` of an [E, ...] weight, int8 gathered before dequantisation."""
+    if is_quantized(w):
+        return QuantizedWeight8bit(weight=jnp.take(w.weight, idx_M, axis=0),
+                                   scales=jnp.take(w.scales, idx_M, axis=0))
+    return jnp.take(w, idx_M, axis=0)
+
+
+class MoELayer(nn.Module):
+    """Top-k mixture of GeGLU experts (GROK1.md §3.6).
+
+    Experts are ``down(gelu_tanh(x @ linear) * (x @ linear_v))`` with ``linear_1`` as ``down``; the
+    output is ``sum_j gate_j * expert_{idx_j}(x)`` with the raw (not renormalised) top-k router
+    probabilities as gates. Two ways to compute it, equal up to float rounding:
+
+    - ``"dense"``: every expert on every token, then a gate-weighted combine (the reference's
+      choice): reads each expert's weights once, E/k times the FLOPs. Best once most experts are hit.
+    - ``"gather"``: for each (token, slot), gather that expert's weights (int8 before
+      dequantisation) and apply it: only the selected experts' FLOPs and bytes. Best at small token
+      counts (decode), where the weights, not the FLOPs, cost the time.
+
+    ``"auto"`` picks ``gather`` when tokens x k is below ``num_experts`` (fewer expert applications
+    than experts), ``dense`` otherwise; see BENCHMARKS.md for the measurement behind it.
+    """
+
+    config: ModelConfig
+    impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x_BTD, probs_BTE):
+        c = self.config
+        d, f, e, top = c.emb_size, c.ffn_size, c.num_experts, c.num_selected_experts
+        dtype = x_BTD.dtype
+        b, t, _ = x_BTD.shape
+        w_gate = Weight((e, d, f), name="linear")()
+        w_up = Weight((e, d, f), name="linear_v")()
+        w_down = Weight((e, f, d), name="linear_1")()
+
+        gates_BTk, idx_BTk = jax.lax.top_k(probs_BTE, top)
+        # Grok-1: the gates are cast to bf16 before weighting the experts, in every fprop dtype.
+        gates_BTk = gates_BTk.astype(dtype)
+        x_MD = x_BTD.reshape(b * t, d)
+
+        impl = self.impl
+        if impl == "auto":
+            impl = "gather" if b * t * top < e else "dense"
+        if impl == "gather":
+            idx_R = idx_BTk.reshape(-1)  # R = M*k (token, slot) rows
+            x_RD = jnp.repeat(x_MD, top, axis=0)
+            y_RD = _gelu_glu(
+                x_RD,
+                dequantize(_take_expert(w_gate, idx_R), dtype),
+                dequantize(_take_expert(w_up, idx_R), dtype),
+                dequantize(_take_expert(w_down, idx_R), dtype),
+                "RD,RDF->RF", "RF,RFD->RD")
+            y_BTkD = y_RD.reshape(b, t, top, d)
+            out_BTD = jnp.sum(gates_BTk[..., None] * y_BTkD, axis=2)
+        elif impl == "dense":
+            y_MED = _gelu_glu(
+                x_MD, dequantize(w_gate, dtype), dequantize(w_up, dtype),
+                dequantize(w_down, dtype), "MD,EDF->MEF", "MEF,EFD->MED")
+            # combine[m, e] = gate of expert e for token m (0 where not selected)
+            combine_MkE = jax.nn.one_hot(idx_BTk.reshape(-1, top), e, dtype=dtype)
+            combine_ME = jnp.einsum("Mk,MkE->ME", gates_BTk.reshape(-1, top), combine_MkE)
+            out_BTD = jnp.einsum("ME,MED->MD", combine_ME, y_MED).reshape(b, t, d)
+        else:
+            raise ValueError(f"MoELayer.impl must be 'auto', 'dense' or 'gather', got {self.impl!r}")
+        return out_BTD.astype(dtype)
+
+
+class DecoderLayer(nn.Module):
+    """One block with Grok-1's sandwich norms: norm -> attention -> norm -> residual, then the same
+    around the MoE (GROK1.md §3.2). Intermediates are sown for parity tests."""
+
+    config: ModelConfig
+    moe_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, h_BTD, *, positions_BT, mask_BTS, cache=None):
+        c = self.config
+        attn_BTD, cache = MultiHeadAttention(c, name="multi_head_attention")(
+            RMSNorm(c.rms_norm_eps, name="rms_norm")(h_BTD), positions_BT, mask_BTS, cache)
+        self.sow("intermediates", "attn_out", attn_BTD)
+        h_BTD = h_BTD + RMSNorm(c.rms_norm_eps, name="rms_norm_1")(attn_BTD)
+
+        x_BTD = RMSNorm(c.rms_norm_eps, name="rms_norm_2")(h_BTD)
+        w_router = Weight((c.emb_size, c.num_experts), name="router")()
+        # Router in float32: logits and softmax over all experts (Grok-1 keeps it float32).
+        router_logits = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32),
+                                   dequantize(w_router, jnp.float32))
+        probs_BTE = jax.nn.softmax(router_logits, axis=-1)
+        self.sow("intermediates", "router_probs", probs_BTE)
+        moe_BTD = MoELayer(c, self.moe_impl, name="moe")(x_BTD, probs_BTE)
+        self.sow("intermediates", "moe_out", moe_BTD)
+        h_BTD = h_BTD + RMSNorm(c.rms_norm_eps, name="rms_norm_3")(moe_BTD)
+        self.sow("intermediates", "h_out", h_BTD)
+        return h_BTD, cache

@@ -1,0 +1,79 @@
+"""int8 weights as Grok-1 ships them: ``QuantizedWeight8bit`` and the ``quantize`` helper.
+
+A quantized weight is an int8 tensor ``weight [..., K, N]`` and ``scales [..., G, N]``: symmetric,
+per output channel (N), with the contracting axis K optionally split into G equal groups, each with
+its own scale (GROK1.md §4). Its effective value is
+
+    W[..., g*K/G:(g+1)*K/G, :] = weight[..., block g, :] * scales[..., g, :]
+
+Unlike the reference, which relies on ``shard_map`` handing each device a scale block of K-extent
+one (so G must equal the model-axis size), the groups are applied by an explicit reshape: any G that
+divides K works on any mesh.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class QuantizedWeight8bit:
+    """An int8 weight with float scales; a pytree of two leaves (``weight``, then ``scales``)."""
+
+    weight: jax.Array  # int8 [..., K, N]
+    scales: jax.Array  # [..., G, N], G divides K; bf16 in Grok-1
+
+    @property
+    def shape(self):
+        return self.weight.shape
+
+    @property
+    def ndim(self):
+        return self.weight.ndim
+
+    @property
+    def num_groups(self) -> int:
+        return self.scales.shape[-2]
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QuantizedWeight8bit)
+
+
+def dequantize(w, dtype) -> jax.Array:
+    """The weight's value in ``dtype``; a float weight is only cast.
+
+    The product is taken in ``dtype``: in bf16 it is rounded as the reference rounds it; in fp32 it
+    is exact, as in the reference's fp32 mode (int8 times the bf16 scale, no rounding to bf16).
+    """
+    if not is_quantized(w):
+        return w.astype(dtype)
+    *lead, k, n = w.weight.shape
+    groups = w.scales.shape[-2]
+    assert w.scales.shape == (*lead, groups, n) and k % groups == 0, (
+        f"scales {w.scales.shape} do not match weight {w.weight.shape}")
+    grouped = w.weight.reshape(*lead, groups, k // groups, n).astype(dtype)  # [..., G, K/G, N]
+    return (grouped * w.scales.astype(dtype)[..., :, None, :]).reshape(*lead, k, n)
+
+
+def quantize(w, *, groups: int = 1, scale_dtype=jnp.bfloat16) -> QuantizedWeight8bit:
+    """Symmetric int8 quantisation of ``w [..., K, N]`` per output channel, in ``groups`` along K.
+
+    Scales are rounded to ``scale_dtype`` first and the weight is quantised against the rounded
+    scales, so the only error left is the int8 rounding: at most half a scale per element (plus a
+    clip of at most 2**-8 relative where a bf16 scale rounded down).
+    """
+    w = jnp.asarray(w, jnp.float32)
+    if w.ndim < 2:
+        raise ValueError(f"quantize needs a weight of rank >= 2, got shape {w.shape}")
+    *lead, k, n = w.shape
+    if not isinstance(groups, int) or groups <= 0 or k % groups:
+        raise ValueError(f"quantize: groups must be a positive divisor of K={k}, got {groups!r}")
+    grouped = w.reshape(*lead, groups, k // groups, n)
+    amax = jnp.max(jnp.abs(grouped), axis=-2)  # [..., G, N]
+    scales = (jnp.where(amax > 0, amax, 1.0) / 127.0).astype(scale_dtype)
+    q = jnp.round(grouped / scales.astype(jnp.float32)[..., :, None, :])
+    weight = jnp.clip(q, -127, 127).astype(jnp.int8).reshape(*lead, k, n)
+    return QuantizedWeight8bit(weight=weight, scales=scales)

@@ -1,0 +1,174 @@
+"""The whole network: embedding, decoder layers, final norm, tied unembedding (GROK1.md §3).
+
+``forward(params, tokens, config, memory=..., lengths=...)`` is the pure function everything else
+calls; ``LanguageModel`` is the Flax module behind it. The parameter pytree mirrors Grok-1's Haiku
+tree: ``{"language_model": {"in_out_embed": {"embeddings"}, "rms_norm": {"scale"}},
+"transformer": {"decoder_layer_<i>": {...}}}``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.config import ModelConfig
+from model.layers import DecoderLayer, RMSNorm
+from model.memory import KVMemory
+from model.quant import dequantize
+
+
+@flax.struct.dataclass
+class ForwardOutput:
+    logits: jax.Array  # [B, T, V] float32, or [B, 1, V] with last_only
+    memory: KVMemory | None
+
+
+class InOutEmbed(nn.Module):
+    """Tied input/output embedding ``embeddings [V, D]`` (Grok-1 stores it in float32)."""
+
+    vocab_size: int
+    emb_size: int
+
+    def setup(self):
+        self.embeddings = self.param(
+            "embeddings", nn.initializers.normal(1.0), (self.vocab_size, self.emb_size), jnp.float32)
+
+
+class LanguageModelHead(nn.Module):
+    """Grok-1's ``language_model`` scope: the embedding table and the final norm."""
+
+    config: ModelConfig
+
+    def setup(self):
+        self.in_out_embed = InOutEmbed(self.config.vocab_size, self.config.emb_size)
+        self.rms_norm = RMSNorm(self.config.rms_norm_eps)
+
+    def embed(self, tokens_BT):
+        c = self.config
+        table_VD = self.in_out_embed.embeddings
+        # Grok-1: look up in the stored dtype, cast, then scale by sqrt(D) in the activation dtype.
+        x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(c.dtype)
+        return x_BTD * jnp.asarray(c.embedding_multiplier_scale, c.dtype)
+
+    def unembed(self, h_BTD):
+        c = self.config
+        h_BTD = self.rms_norm(h_BTD)
+        table_VD = dequantize(self.in_out_embed.embeddings, c.dtype)
+        logits_BTV = jnp.einsum("BTD,VD->BTV", h_BTD, table_VD)
+        return (logits_BTV * c.output_multiplier_scale).astype(jnp.float32)
+
+
+class Transformer(nn.Module):
+    config: ModelConfig
+    moe_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, h_BTD, *, positions_BT, mask_BTS, memory: KVMemory | None):
+        new_k, new_v = [], []
+        for i in range(self.config.num_layers):
+            cache = None if memory is None else (memory.k[i], memory.v[i])
+            with jax.named_scope(f"decoder_layer_{i}"):
+                h_BTD, cache = DecoderLayer(self.config, self.moe_impl, name=f"decoder_layer_{i}")(
+                    h_BTD, positions_BT=positions_BT, mask_BTS=mask_BTS, cache=cache)
+            if cache is not None:
+                new_k.append(cache[0])
+                new_v.append(cache[1])
+        return h_BTD, (tuple(new_k), tuple(new_v))
+
+
+def attention_mask(tokens_BT, lengths_B, pad_token: int, step_B=None, sequence_len=None):
+    """Which keys each query may see, ``[B, T, S]`` bool.
+
+    Without memory (``step_B is None``; S = T): causal, and keys that are padding are masked, as
+    in the reference: a key is padding if its token is ``pad_token`` or it lies at or beyond the
+    row's length. With memory (S = sequence_len): key s is visible to query t iff
+    ``s <= step + t`` and ``s < step + length`` (positions, not token ids: the cache keeps no ids).
+    """
+    b, t = tokens_BT.shape
+    q_pos_BT = jnp.arange(t)[None, :]
+    if step_B is None:
+        k_pos_S = jnp.arange(t)
+        key_ok_BS = (tokens_BT != pad_token) & (k_pos_S[None, :] < lengths_B[:, None])
+        causal_TS = k_pos_S[None, :] <= jnp.arange(t)[:, None]
+        return key_ok_BS[:, None, :] & causal_TS[None]
+    k_pos_S = jnp.arange(sequence_len)
+    abs_q_BT = step_B[:, None] + q_pos_BT
+    causal_BTS = k_pos_S[None, None, :] <= abs_q_BT[:, :, None]
+    valid_BS = k_pos_S[None, :] < (step_B + lengths_B)[:, None]
+    return causal_BTS & valid_BS[:, None, :]
+
+
+class LanguageModel(nn.Module):
+    """Grok-1: scaled embedding -> decoder layers -> final norm -> tied unembedding x 0.577."""
+
+    config: ModelConfig
+    moe_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, tokens_BT, memory: KVMemory | None = None, lengths_B=None,
+                 last_only: bool = False):
+        c = self.config
+        b, t = tokens_BT.shape
+        if lengths_B is None:
+            lengths_B = jnp.full((b,), t, jnp.int32)
+        lengths_B = lengths_B.astype(jnp.int32)
+        step_B = None if memory is None else memory.step
+        positions_BT = jnp.arange(t, dtype=jnp.int32)[None, :]
+        if step_B is not None:
+            positions_BT = step_B[:, None] + positions_BT
+        else:
+            positions_BT = jnp.broadcast_to(positions_BT, (b, t))
+        mask_BTS = attention_mask(tokens_BT, lengths_B, c.pad_token, step_B,
+                                  None if memory is None else memory.sequence_len)
+
+        head = LanguageModelHead(c, name="language_model")
+        h_BTD = head.embed(tokens_BT)
+        h_BTD, (k, v) = Transformer(c, self.moe_impl, name="transformer")(
+            h_BTD, positions_BT=positions_BT, mask_BTS=mask_BTS, memory=memory)
+        if last_only:
+            # Only the last real token's hidden state is unembedded (prefill): [B, 1, D].
+            last_B = jnp.maximum(lengths_B - 1, 0)
+            h_BTD = jnp.take_along_axis(h_BTD, last_B[:, None, None], axis=1)
+        logits = head.unembed(h_BTD)
+        new_memory = None if memory is None else KVMemory(k=k, v=v, step=memory.step + lengths_B)
+        return ForwardOutput(logits=logits, memory=new_memory)
+
+
+def forward(params, tokens, config: ModelConfig, *, memory: KVMemory | None = None, lengths=None,
+            last_only: bool = False, moe_impl: str = "auto") -> ForwardOutput:
+    """Logits for ``tokens [B, T]``; with ``memory``, also the updated memory.
+
+    ``lengths [B]`` is each row's number of real tokens (right padding beyond it is masked and, with
+    memory, does not advance ``step``). Outside ``jit`` a write past ``sequence_len`` raises
+    ``ValueError`` here, before anything runs.
+    """
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"forward: tokens must be [batch, time], got shape {tokens.shape}")
+    if lengths is not None:
+        lengths = jnp.asarray(lengths, jnp.int32)
+        if lengths.shape != tokens.shape[:1]:
+            raise ValueError(f"forward: lengths must be [{tokens.shape[0]}], got {lengths.shape}")
+    if memory is not None:
+        if memory.batch_size != tokens.shape[0]:
+            raise ValueError(f"forward: memory has {memory.batch_size} rows, tokens {tokens.shape[0]}")
+        memory.check_fits(np.full(tokens.shape[:1], tokens.shape[1]) if lengths is None else lengths)
+    return _apply(params, tokens, memory, lengths, config=config, last_only=last_only,
+                  moe_impl=moe_impl)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "last_only", "moe_impl"))
+def _apply(params, tokens, memory, lengths, *, config, last_only, moe_impl):
+    # Jitted so that eager callers do not dispatch op by op; inside a caller's jit it simply inlines.
+    return LanguageModel(config, moe_impl).apply({"params": params}, tokens, memory, lengths, last_only)
+
+
+def init_params(config: ModelConfig, rng) -> dict:
+    """Fresh random parameters (fan-in scaled normals, unit norm scales) in float32."""
+    dummy = jnp.zeros((1, 1), jnp.int32)
+    return LanguageModel(config).init(rng, dummy)["params"]

@@ -1,0 +1,244 @@
+"""Properties that catch the classic bugs of a cached transformer (tiny config, fp32)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import TINY, KVMemory, forward, init_params, new_memory
+from model.layers import MoELayer, rotary_embedding
+from model.quant import dequantize
+from tests.test_quant import quantize_params
+
+ATOL = 1e-4
+
+
+def random_tokens(seed, shape, vocab=TINY.vocab_size):
+    return np.asarray(jax.random.randint(jax.random.PRNGKey(seed), shape, 1, vocab))
+
+
+def decode_all(params, tokens, prefill_len, config=TINY, batch_rows=None):
+    """Prefill ``prefill_len`` tokens into a fresh memory, then decode the rest one at a time."""
+    b, t = tokens.shape
+    memory = new_memory(config, b)
+    out = forward(params, tokens[:, :prefill_len], config, memory=memory)
+    logits = [out.logits]
+    memory = out.memory
+    for i in range(prefill_len, t):
+        out = forward(params, tokens[:, i:i + 1], config, memory=memory)
+        logits.append(out.logits)
+        memory = out.memory
+    return np.concatenate([np.asarray(x) for x in logits], axis=1), memory
+
+
+def test_cached_decode_equals_full_forward(tiny_params):
+    tokens = random_tokens(0, (2, 20))
+    full = np.asarray(forward(tiny_params, tokens, TINY).logits)
+    cached, memory = decode_all(tiny_params, tokens, prefill_len=7)
+    assert np.abs(cached - full).max() <= ATOL
+    np.testing.assert_array_equal(np.asarray(memory.step), [20, 20])
+
+
+def test_chunked_prefill_with_padding_equals_full_forward(tiny_params):
+    tokens = random_tokens(1, (1, 13))
+    full = np.asarray(forward(tiny_params, tokens, TINY).logits)
+    memory = new_memory(TINY, 1)
+    # chunk 1: 8 real tokens; chunk 2: 5 real tokens right-padded to 8
+    out1 = forward(tiny_params, tokens[:, :8], TINY, memory=memory)
+    padded = np.zeros((1, 8), np.int32)
+    padded[0, :5] = tokens[0, 8:]
+    out2 = forward(tiny_params, padded, TINY, memory=out1.memory, lengths=[5])
+    assert int(out2.memory.step[0]) == 13
+    np.testing.assert_allclose(np.asarray(out1.logits), full[:, :8], atol=ATOL)
+    np.testing.assert_allclose(np.asarray(out2.logits)[:, :5], full[:, 8:], atol=ATOL)
+    # decoding on from the padded prefill still equals the full forward
+    longer = np.concatenate([tokens, random_tokens(2, (1, 1))], axis=1)
+    out3 = forward(tiny_params, longer[:, 13:], TINY, memory=out2.memory)
+    np.testing.assert_allclose(np.asarray(out3.logits)[:, 0],
+                               np.asarray(forward(tiny_params, longer, TINY).logits)[:, 13], atol=ATOL)
+
+
+def test_rows_are_independent(tiny_params):
+    tokens = random_tokens(3, (3, 10))
+    lengths = np.array([10, 6, 8])
+    base = np.asarray(forward(tiny_params, tokens, TINY, lengths=lengths).logits)
+    other = tokens.copy()
+    other[1] = random_tokens(4, (10,))
+    changed = np.asarray(forward(tiny_params, other, TINY, lengths=[10, 3, 8]).logits)
+    for i in (0, 2):
+        np.testing.assert_allclose(changed[i], base[i], atol=1e-6)
+    # with memory: rows at different steps, row 1 rewritten, rows 0 and 2 unchanged
+    memory = new_memory(TINY, 3)
+    out = forward(tiny_params, tokens, TINY, memory=memory, lengths=lengths)
+    out_b = forward(tiny_params, other, TINY, memory=memory, lengths=[10, 3, 8])
+    for i in (0, 2):
+        np.testing.assert_allclose(np.asarray(out_b.logits[i]), np.asarray(out.logits[i]), atol=1e-6)
+        for layer in range(TINY.num_layers):
+            np.testing.assert_array_equal(np.asarray(out_b.memory.k[layer][i]),
+                                          np.asarray(out.memory.k[layer][i]))
+    np.testing.assert_array_equal(np.asarray(out_b.memory.step), [10, 3, 8])
+
+
+def test_right_padding_never_changes_real_positions(tiny_params):
+    tokens = random_tokens(5, (1, 7))
+    real = np.asarray(forward(tiny_params, tokens, TINY).logits)
+    padded = np.concatenate([tokens, np.zeros((1, 9), np.int32)], axis=1)
+    # padding by token id (as the reference) and by explicit length give the same real positions
+    by_id = np.asarray(forward(tiny_params, padded, TINY).logits)[:, :7]
+    garbage = np.concatenate([tokens, random_tokens(6, (1, 9))], axis=1)
+    by_len = np.asarray(forward(tiny_params, garbage, TINY, lengths=[7]).logits)[:, :7]
+    np.testing.assert_allclose(by_id, real, atol=1e-5)
+    np.testing.assert_allclose(by_len, real, atol=1e-5)
+
+
+def test_gqa_equals_multi_head_attention_with_repeated_kv_heads(tiny_params):
+    g = TINY.q_per_kv
+    mha = dataclasses.replace(TINY, num_kv_heads=TINY.num_q_heads)
+    params = jax.tree_util.tree_map(lambda x: x, tiny_params)
+    for layer in range(TINY.num_layers):
+        attn = params["transformer"][f"decoder_layer_{layer}"]["multi_head_attention"]
+        for name in ("key", "value"):
+            w = attn[name]["w"].reshape(TINY.emb_size, TINY.num_kv_heads, TINY.key_size)
+            # query head j uses KV head j // g: repeat each KV head g times, contiguously
+            attn[name] = {"w": jnp.repeat(w, g, axis=1).reshape(TINY.emb_size, -1)}
+    tokens = random_tokens(7, (2, 11))
+    np.testing.assert_allclose(np.asarray(forward(params, tokens, mha).logits),
+                               np.asarray(forward(tiny_params, tokens, TINY).logits), atol=1e-5)
+
+
+def test_attention_scores_depend_only_on_relative_position():
+    q = jax.random.normal(jax.random.PRNGKey(8), (1, 1, 1, 16))
+    k = jax.random.normal(jax.random.PRNGKey(9), (1, 1, 1, 16))
+    def score(m, n):
+        qm = rotary_embedding(q, jnp.array([[m]]), 10000.0)
+        kn = rotary_embedding(k, jnp.array([[n]]), 10000.0)
+        return float(jnp.sum(qm * kn))
+    for m, n in [(5, 2), (40, 3), (7, 7)]:
+        for shift in (1, 17, 100):
+            assert abs(score(m, n) - score(m + shift, n + shift)) < 1e-4
+    assert abs(score(5, 2) - score(6, 2)) > 1e-3  # and they do depend on the distance
+
+
+def test_rope_is_rotate_half_on_the_full_head():
+    x = jnp.arange(1, 5, dtype=jnp.float32).reshape(1, 1, 1, 4)
+    y = rotary_embedding(x, jnp.array([[1]]), 10000.0)
+    # inv_freq = [1, 1/100]; pairs (x0, x2) and (x1, x3) rotate by 1 and 0.01 radians
+    c0, s0, c1, s1 = np.cos(1), np.sin(1), np.cos(0.01), np.sin(0.01)
+    expected = [1 * c0 - 3 * s0, 2 * c1 - 4 * s1, 3 * c0 + 1 * s0, 4 * c1 + 2 * s1]
+    np.testing.assert_allclose(np.asarray(y).ravel(), expected, rtol=1e-6)
+
+
+def slow_moe(x_MD, probs_ME, params, top):
+    """Per-token loop over the selected experts, straight from the definition."""
+    w = {name: np.asarray(dequantize(params[name]["w"], jnp.float32))
+         for name in ("linear", "linear_v", "linear_1")}
+    out = np.zeros_like(x_MD)
+    for m in range(x_MD.shape[0]):
+        chosen = np.argsort(-probs_ME[m], kind="stable")[:top]
+        for e in chosen:
+            gate = x_MD[m] @ w["linear"][e]
+            gelu = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
+            out[m] += probs_ME[m, e] * ((gelu * (x_MD[m] @ w["linear_v"][e])) @ w["linear_1"][e])
+    return out
+
+
+@pytest.mark.parametrize("impl", ["dense", "gather", "auto"])
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("experts, top", [(4, 2), (1, 1), (3, 3)])
+def test_moe_equals_per_token_loop(impl, quantized, experts, top):
+    config = dataclasses.replace(TINY, num_experts=experts, num_selected_experts=top)
+    layer = MoELayer(config, impl)
+    x = jax.random.normal(jax.random.PRNGKey(10), (2, 5, config.emb_size))
+    probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(11), (2, 5, experts)) * 3)
+    params = layer.init(jax.random.PRNGKey(12), x, probs)["params"]
+    if quantized:
+        params = quantize_params(params, groups=4)
+    got = np.asarray(layer.apply({"params": params}, x, probs)).reshape(10, -1)
+    want = slow_moe(np.asarray(x).reshape(10, -1), np.asarray(probs).reshape(10, -1), params, top)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_batch_above_one_with_int8_weights(tiny_params):
+    """The reference crashes here (GROK1.md §8.5); each row must equal its batch-1 run."""
+    qparams = quantize_params(tiny_params, groups=2)
+    tokens = random_tokens(13, (4, 9))
+    batched = np.asarray(forward(qparams, tokens, TINY).logits)
+    for i in range(4):
+        np.testing.assert_allclose(batched[i], np.asarray(forward(qparams, tokens[i:i + 1], TINY).logits)[0],
+                                   atol=1e-5)
+    cached, _ = decode_all(qparams, tokens, prefill_len=4)
+    np.testing.assert_allclose(cached, batched, atol=ATOL)
+
+
+def test_bf16_activations_track_fp32(tiny_params):
+    bf16 = dataclasses.replace(TINY, fprop_dtype="bfloat16")
+    tokens = random_tokens(14, (2, 12))
+    a = np.asarray(forward(tiny_params, tokens, TINY).logits)
+    b = np.asarray(forward(tiny_params, tokens, bf16).logits)
+    assert np.isfinite(b).all()
+    assert np.abs(a - b).mean() < 0.05 * np.abs(a).mean()
+    cached, memory = decode_all(tiny_params, tokens, 5, config=bf16)
+    assert memory.k[0].dtype == jnp.bfloat16 and np.isfinite(cached).all()
+
+
+def test_memory_overflow_is_an_error_before_the_call(tiny_params):
+    memory = new_memory(TINY, 2, sequence_len=8)
+    out = forward(tiny_params, random_tokens(15, (2, 6)), TINY, memory=memory)
+    with pytest.raises(ValueError, match="overflow.*sequence_len is 8"):
+        forward(tiny_params, random_tokens(16, (2, 3)), TINY, memory=out.memory)
+    # padding past the end is fine as long as the real tokens fit: 2 real of a 4-token chunk
+    out2 = forward(tiny_params, random_tokens(17, (2, 4)), TINY, memory=out.memory, lengths=[2, 2])
+    np.testing.assert_array_equal(np.asarray(out2.memory.step), [8, 8])
+
+
+def test_padding_past_the_end_is_dropped_not_clamped(tiny_params):
+    """Inside jit the overflow check cannot run; pad positions past S must not overwrite valid ones."""
+    tokens = random_tokens(18, (1, 8))
+    memory = new_memory(TINY, 1, sequence_len=8)
+    step = jax.jit(lambda p, t, m, n: forward(p, t, TINY, memory=m, lengths=n))
+    first = step(tiny_params, tokens[:, :6], memory, jnp.array([6]))
+    chunk = np.concatenate([tokens[:, 6:8], random_tokens(19, (1, 4))], axis=1)  # 2 real + 4 pad
+    second = step(tiny_params, chunk, first.memory, jnp.array([2]))
+    for layer in range(TINY.num_layers):
+        np.testing.assert_array_equal(np.asarray(second.memory.k[layer][0, :6]),
+                                      np.asarray(first.memory.k[layer][0, :6]))
+    full = np.asarray(forward(tiny_params, tokens, TINY).logits)
+    np.testing.assert_allclose(np.asarray(second.logits)[:, :2], full[:, 6:8], atol=ATOL)
+
+
+def test_any_batch_size_and_last_only(tiny_params):
+    for b in (1, 5):
+        tokens = random_tokens(20 + b, (b, 6))
+        lengths = np.arange(b) % 6 + 1
+        full = np.asarray(forward(tiny_params, tokens, TINY, lengths=lengths).logits)
+        last = np.asarray(forward(tiny_params, tokens, TINY, lengths=lengths, last_only=True).logits)
+        np.testing.assert_allclose(last[:, 0], full[np.arange(b), lengths - 1], atol=1e-5)
+
+
+def test_forward_under_a_mesh_matches_single_device(tiny_params):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    tokens = random_tokens(30, (4, 8))
+    want = np.asarray(forward(tiny_params, tokens, TINY).logits)
+    sharded_tokens = jax.device_put(tokens, NamedSharding(mesh, P("data", None)))
+    memory = jax.device_put(new_memory(TINY, 4), NamedSharding(mesh, P("data")))
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda p, t, m: forward(p, t, TINY, memory=m))(tiny_params, sharded_tokens, memory)
+    np.testing.assert_allclose(np.asarray(got.logits), want, atol=1e-5)
+    assert isinstance(got.memory, KVMemory)
+
+
+def test_init_params_shapes_follow_grok1_names():
+    params = jax.eval_shape(lambda: init_params(TINY, jax.random.PRNGKey(0)))
+    layer = params["transformer"]["decoder_layer_1"]
+    d, f, e = TINY.emb_size, TINY.ffn_size, TINY.num_experts
+    assert layer["moe"]["linear"]["w"].shape == (e, d, f)
+    assert layer["moe"]["linear_1"]["w"].shape == (e, f, d)
+    assert layer["multi_head_attention"]["query"]["w"].shape == (d, TINY.num_q_heads * TINY.key_size)
+    assert layer["router"]["w"].shape == (d, e)
+    assert params["language_model"]["in_out_embed"]["embeddings"].shape == (TINY.vocab_size, d)
+    assert set(layer) == {"moe", "multi_head_attention", "router", "rms_norm", "rms_norm_1",
+                          "rms_norm_2", "rms_norm_3"}

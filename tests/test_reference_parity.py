@@ -1,0 +1,139 @@
+"""Parity with the published Grok-1 code, on its tiny fixture (../shared/data/grok1_reference)."""
+
+import dataclasses
+import json
+import os
+import pickle
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints.grok1_layout import load_original, original_leaf_paths
+from checkpoints.safe_pickle import CheckpointError, read_pickled_tensor
+from model import GROK_1_REFERENCE_TINY, QuantizedWeight8bit, forward, new_memory
+from model.layers import DecoderLayer
+from model.transformer import attention_mask
+
+FP32 = dataclasses.replace(GROK_1_REFERENCE_TINY, fprop_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def ref_params(reference_dir):
+    return load_original(str(reference_dir / "ckpt"), FP32)
+
+
+def test_manifest_matches_positional_layout(reference_dir):
+    manifest = json.loads((reference_dir / "manifest.json").read_text())
+    assert [m["path"] for m in manifest] == ["params/" + p for p in original_leaf_paths(FP32)]
+
+
+def test_loaded_tensors_have_the_recorded_shapes_and_dtypes(reference_dir, ref_params):
+    manifest = json.loads((reference_dir / "manifest.json").read_text())
+    for entry in manifest:
+        node = ref_params
+        for key in entry["path"].split("/")[1:]:
+            node = node[key]
+        if entry["kind"] == "QuantizedWeight8bit":
+            assert isinstance(node, QuantizedWeight8bit)
+            assert list(node.weight.shape) == entry["weight_shape"] and node.weight.dtype == np.int8
+            assert list(node.scales.shape) == entry["scales_shape"]
+            assert str(node.scales.dtype) == entry["scales_dtype"]
+        else:
+            assert list(node.shape) == entry["shape"] and str(node.dtype) == entry["dtype"]
+
+
+def test_each_layer_matches_fp32_intermediates(reference_dir, ref_params):
+    saved = np.load(reference_dir / "intermediates_full_fprop32.npz")
+    tokens = np.load(reference_dir / "tokens_full.npy")
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+    mask = attention_mask(jnp.asarray(tokens), jnp.full((b,), t), FP32.pad_token)
+    h = saved["embed_in"]
+    for i in range(FP32.num_layers):
+        layer_params = ref_params["transformer"][f"decoder_layer_{i}"]
+        _, state = DecoderLayer(FP32).apply({"params": layer_params}, jnp.asarray(h),
+                                            positions_BT=positions, mask_BTS=mask,
+                                            mutable=["intermediates"])
+        for name in ("attn_out", "router_probs", "h_out"):
+            got = np.asarray(state["intermediates"][name][0])
+            want = saved[f"L{i}_{name}"]
+            rel = np.abs(got - want).max() / np.abs(want).max()
+            assert rel < 1e-4, f"layer {i} {name}: relative error {rel:.2e}"
+        h = saved[f"L{i}_h_out"]  # teacher forcing: the next layer gets the reference's output
+
+
+@pytest.mark.parametrize("moe_impl", ["dense", "gather"])
+def test_full_forward_matches_fp32_logits(reference_dir, ref_params, moe_impl):
+    tokens = np.load(reference_dir / "tokens_full.npy")
+    want = np.load(reference_dir / "logits_full_fprop32.npy")
+    got = np.asarray(forward(ref_params, tokens, FP32, moe_impl=moe_impl).logits)
+    assert np.abs(got - want).max() < 1e-3
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_right_padded_prompt_matches_reference_argmax(reference_dir, ref_params):
+    tokens = np.load(reference_dir / "tokens_padded.npy")
+    want = np.load(reference_dir / "logits_padded.npy")
+    real = int((tokens[0] != 0).sum())
+    got = np.asarray(forward(ref_params, tokens, FP32).logits)
+    np.testing.assert_array_equal(got[0, :real].argmax(-1), want[0, :real].argmax(-1))
+
+
+def test_greedy_prefill_and_cached_decode_reproduce_reference(reference_dir, ref_params):
+    want = np.load(reference_dir / "decode_tokens.npy").tolist()
+    padded = np.load(reference_dir / "tokens_padded.npy")  # bucket 16, as the reference prefilled
+    real = int((padded[0] != 0).sum())
+    out = forward(ref_params, padded, FP32, memory=new_memory(FP32, 1), lengths=[real], last_only=True)
+    tokens, memory = [int(out.logits[0, -1].argmax())], out.memory
+    while len(tokens) < len(want):
+        out = forward(ref_params, np.array([[tokens[-1]]]), FP32, memory=memory)
+        tokens.append(int(out.logits[0, -1].argmax()))
+        memory = out.memory
+    assert tokens == want
+    assert int(memory.step[0]) == real + len(want) - 1
+
+
+class _Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_a_pickle_that_would_run_a_command_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "tensor00000_000"
+    evil.write_bytes(pickle.dumps(_Evil(str(marker)), protocol=4))
+    with pytest.raises(CheckpointError, match=r"tensor00000_000.*refusing global (posix|os)\.system"):
+        read_pickled_tensor(str(evil))
+    assert not marker.exists()
+
+
+def test_truncated_and_object_pickles_are_refused(tmp_path, reference_dir):
+    source = (reference_dir / "ckpt" / "ckpt-0" / "tensor00003_000").read_bytes()
+    cut = tmp_path / "cut"
+    cut.write_bytes(source[: len(source) // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        read_pickled_tensor(str(cut))
+    objects = tmp_path / "objects"
+    objects.write_bytes(pickle.dumps(np.array([{"a": 1}], dtype=object), protocol=4))
+    with pytest.raises(CheckpointError, match="refusing array dtype .O."):
+        read_pickled_tensor(str(objects))
+    record = read_pickled_tensor(str(reference_dir / "ckpt" / "ckpt-0" / "tensor00003_000"))
+    assert record.weight.shape == (8, 344, 64) and record.scales.dtype.name == "bfloat16"
+
+
+def test_plain_numpy_and_bfloat16_pickles_round_trip(tmp_path):
+    import ml_dtypes
+
+    for array in (np.arange(12, dtype=np.float32).reshape(3, 4),
+                  np.arange(6, dtype=np.int8),
+                  np.linspace(-2, 2, 10).astype(ml_dtypes.bfloat16).reshape(2, 5),
+                  np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3))):
+        path = tmp_path / "t"
+        path.write_bytes(pickle.dumps(array, protocol=4))
+        got = read_pickled_tensor(str(path)).read()
+        assert got.dtype == array.dtype
+        np.testing.assert_array_equal(got, array)
