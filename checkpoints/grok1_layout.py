@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 
-import jax
 import numpy as np
 
+from checkpoints.lazy import LazyQuantized, LazyTensor
 from checkpoints.safe_pickle import ArrayRecord, CheckpointError, QuantizedRecord, read_pickled_tensor
 from model.config import ModelConfig
-from model.quant import QuantizedWeight8bit
 
 # The 12 leaves of one decoder layer, in the order Haiku flattens them (sorted names).
 LAYER_LEAVES = (
@@ -40,54 +39,40 @@ def tensor_file(ckpt_dir: str, index: int, shard: int = 0) -> str:
     return os.path.join(ckpt_dir, "ckpt-0", f"tensor{index:05d}_{shard:03d}")
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Declared shape of every parameter path."""
-    from model.transformer import init_params  # shapes only: evaluated abstractly
+def open_original(ckpt_dir: str, config: ModelConfig, shard: int = 0) -> dict:
+    """``{param path: LazyTensor | LazyQuantized}`` for an original-layout checkpoint.
 
-    shapes = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
-    flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    return {"/".join(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
-
-
-def set_path(tree: dict, path: str, value) -> None:
-    *parents, leaf = path.split("/")
-    for name in parents:
-        tree = tree.setdefault(name, {})
-    tree[leaf] = value
-
-
-def load_original(ckpt_dir: str, config: ModelConfig, shard: int = 0) -> dict:
-    """All parameters of an original-layout checkpoint as numpy arrays / ``QuantizedWeight8bit``.
-
-    Reads every file fully into host memory (the checkpoint issue adds sharded, lazy restore).
+    ``shard`` is the host shard suffix (``_000`` in the release; the reference reads the file of its
+    process index). Nothing is unpickled: each file's opcode stream is interpreted and its arrays
+    are memory-mapped, so a device later reads only its own slice.
     """
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir}: checkpoint directory does not exist")
     if not os.path.isdir(os.path.join(ckpt_dir, "ckpt-0")):
         raise CheckpointError(f"{ckpt_dir}: not an original Grok-1 checkpoint (no ckpt-0/ directory)")
-    shapes = expected_shapes(config)
-    params: dict = {}
-    for index, path in enumerate(original_leaf_paths(config)):
+    paths = original_leaf_paths(config)
+    sources = {}
+    for index, path in enumerate(paths):
         file = tensor_file(ckpt_dir, index, shard)
         if not os.path.exists(file):
             raise CheckpointError(f"{file}: missing (expected parameter {path})")
-        record = read_pickled_tensor(file)
-        weight = record.weight if isinstance(record, QuantizedRecord) else record
-        if weight.shape != shapes[path]:
-            raise CheckpointError(f"{file}: parameter {path} has shape {weight.shape}, "
-                                  f"expected {shapes[path]}")
-        set_path(params, path, _materialise(record))
-    extra = tensor_file(ckpt_dir, len(shapes), shard)
+        sources[path] = _lazy(read_pickled_tensor(file))
+    extra = tensor_file(ckpt_dir, len(paths), shard)
     if os.path.exists(extra):
-        raise CheckpointError(f"{extra}: unexpected tensor file beyond the {len(shapes)} parameters "
+        raise CheckpointError(f"{extra}: unexpected tensor file beyond the {len(paths)} parameters "
                               "of this config (wrong config?)")
-    return params
+    return sources
 
 
-def _materialise(record: ArrayRecord | QuantizedRecord):
+def _lazy(record: ArrayRecord | QuantizedRecord):
     if isinstance(record, QuantizedRecord):
-        return QuantizedWeight8bit(weight=record.weight.read(), scales=record.scales.read())
-    return record.read()
+        return LazyQuantized(_lazy(record.weight), _lazy(record.scales))
+    return LazyTensor(record.path, record.shape, record.dtype,
+                      lambda index, record=record: np.array(record.memmap()[index]), record.memmap)
 
 
-def np_tree(tree):
-    """Helper for tests: the tree with every leaf as a numpy array."""
-    return jax.tree_util.tree_map(np.asarray, tree)
+def load_original(ckpt_dir: str, config: ModelConfig, shard: int = 0) -> dict:
+    """All parameters as host numpy arrays / ``QuantizedWeight8bit``, shapes and dtypes checked."""
+    from checkpoints.restore import materialize
+
+    return materialize(open_original(ckpt_dir, config, shard), config, mesh=None, to_host=True)
