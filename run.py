@@ -1,63 +1,136 @@
-"""Command line: generate from a Grok-1-style checkpoint.
+"""Generate text with a Grok-1-style model, streaming tokens as they are produced.
 
-Until the runner lands (runner issue), this greedily decodes token ids with the model's own cached
-forward pass; by default it runs the Grok-1 reference fixture, whose random weights repeat a token.
+    python run.py                                   # the shipped default model, a default prompt
+    python run.py --prompt "It is a truth"          # one prompt
+    python run.py < prompts.txt                     # one prompt per line, batched over the slots
+    python run.py --checkpoint DIR [--config grok-1]  # a native or original-layout checkpoint
+
+Ends with a summary line on stderr: time to first token, output tokens/s, compilations.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CHECKPOINT = os.path.join(HERE, "..", "shared", "data", "grok1_reference", "ckpt")
+FIXTURE = os.path.join(HERE, "..", "shared", "data", "grok1_reference", "ckpt")
 # "The answer to life the universe and everything is of course" in the Grok-1 tokenizer (GROK1.md §10)
-DEFAULT_PROMPT_IDS = "422,3033,356,1180,333,9072,360,2175,391,359,1805"
+FIXTURE_PROMPT_IDS = "422,3033,356,1180,333,9072,360,2175,391,359,1805"
+DEFAULT_PROMPT = "It is a truth universally acknowledged, that"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", help="checkpoint directory: native (config.json) or original Grok-1 "
+                   "layout (ckpt-0/); default: the model shipped in checkpoints/")
+    p.add_argument("--config", help="config for an original-layout checkpoint: a preset name "
+                   "(grok-1, grok-1-reference-tiny, tiny) or a JSON file")
+    p.add_argument("--tokenizer", help="SentencePiece model (default: the checkpoint's tokenizer.model)")
+    p.add_argument("--prompt", help="prompt text; without it, prompts are read from stdin, one per line")
+    p.add_argument("--prompt-ids", help="prompt as comma-separated token ids (no tokenizer needed)")
+    p.add_argument("--max-tokens", type=int, default=100, help="tokens to generate per prompt (default 100)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; higher = more random (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass in (0, 1]; 1 = off (default 0.95)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
+    p.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same text (default 0)")
+    p.add_argument("--batch-size", type=int, default=None, help="decode slots (default: 1 per device)")
+    p.add_argument("--pad-sizes", help="comma-separated prompt buckets (default: powers of two to sequence_len)")
+    p.add_argument("--mesh", default=None, help="device mesh DATA,MODEL (default 1,1)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation dtype "
+                   "(default: the checkpoint's; float32 is used on CPU, where bf16 matmuls are slow)")
+    return p, p.parse_args(argv)
+
+
+def int_list(parser, flag, text):
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"{flag} must be comma-separated integers, got {text!r}")
+    if not values:
+        parser.error(f"{flag} is empty")
+    return values
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT,
-                        help="original-layout checkpoint directory (holding ckpt-0/)")
-    parser.add_argument("--preset", default="grok-1-reference-tiny",
-                        help="model config preset matching the checkpoint")
-    parser.add_argument("--prompt-ids", default=DEFAULT_PROMPT_IDS, help="comma-separated token ids")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="activation dtype (float32 is much faster on CPU)")
-    args = parser.parse_args(argv)
-
-    from checkpoints import load_original
-    from model import PRESETS, forward, new_memory
-
-    if args.preset not in PRESETS:
-        parser.error(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
-    if not os.path.isdir(args.checkpoint):
-        parser.error(f"--checkpoint {args.checkpoint!r} is not a directory")
-    try:
-        prompt = [int(t) for t in args.prompt_ids.split(",")]
-    except ValueError:
-        parser.error(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}")
-    config = dataclasses.replace(PRESETS[args.preset], fprop_dtype=args.dtype)
-    if args.max_tokens <= 0 or len(prompt) + args.max_tokens > config.sequence_len:
-        parser.error(f"prompt ({len(prompt)}) + --max-tokens must be in (prompt, {config.sequence_len}]")
-
+    parser, args = parse_args(argv)
     start = time.perf_counter()
-    params = load_original(args.checkpoint, config)
-    memory = new_memory(config, 1)
-    out = forward(params, [prompt], config, memory=memory, last_only=True)
-    tokens = [int(out.logits[0, -1].argmax())]
-    first = time.perf_counter()
-    while len(tokens) < args.max_tokens:
-        out = forward(params, [[tokens[-1]]], config, memory=out.memory)
-        tokens.append(int(out.logits[0, -1].argmax()))
+    from runner import InferenceRunner, ModelRunner, Request
+    from runner.compile_count import compilations
+    from runner.runner import default_checkpoint
+
+    compilations()
+    checkpoint, config, prompt_ids = args.checkpoint, args.config, args.prompt_ids
+    if checkpoint is None:
+        checkpoint = default_checkpoint()
+        if checkpoint is None and os.path.isdir(FIXTURE):
+            print("note: no default model is shipped yet; running the Grok-1 reference fixture "
+                  "(random weights: it repeats a token)", file=sys.stderr)
+            checkpoint, config = FIXTURE, config or "grok-1-reference-tiny"
+            prompt_ids = prompt_ids or FIXTURE_PROMPT_IDS
+        elif checkpoint is None:
+            parser.error("no default model is shipped in checkpoints/ yet: pass --checkpoint DIR")
+    if not os.path.isdir(checkpoint):
+        parser.error(f"--checkpoint {checkpoint!r} is not a directory")
+    mesh = int_list(parser, "--mesh", args.mesh) if args.mesh else [1, 1]
+    if len(mesh) != 2:
+        parser.error(f"--mesh must be DATA,MODEL, got {args.mesh!r}")
+    pad_sizes = int_list(parser, "--pad-sizes", args.pad_sizes) if args.pad_sizes else None
+
+    if prompt_ids is not None:
+        prompts = [int_list(parser, "--prompt-ids", prompt_ids)]
+    elif args.prompt is not None:
+        prompts = [args.prompt]
+    elif sys.stdin is not None and not sys.stdin.isatty():
+        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    else:
+        prompts = [DEFAULT_PROMPT]
+    try:
+        requests = [Request(p, temperature=args.temperature, nucleus_p=args.top_p, top_k=args.top_k,
+                            rng_seed=args.seed + i, max_len=args.max_tokens) for i, p in enumerate(prompts)]
+        from checkpoints import CheckpointError
+
+        runner = InferenceRunner(
+            runner=ModelRunner(checkpoint_path=checkpoint, model=config, dtype=args.dtype),
+            tokenizer_path=args.tokenizer, local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
+            batch_size=args.batch_size)
+        runner.initialize()
+        for r in requests:
+            runner.prepare(r)
+    except (ValueError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    single = len(requests) == 1
+    texts = {r.request_id: [] for r in requests}
+    index = {r.request_id: i for i, r in enumerate(requests)}
+    first_token = None
+    generated = 0
+    for event in runner.run(requests):
+        if first_token is None:
+            first_token = time.perf_counter()
+        generated += event.token_id is not None
+        text = event.text if runner.tokenizer is not None else (
+            f"{event.token_id}," if event.token_id is not None else "")
+        if single:
+            if event.index == 0 and event.token_id is not None:
+                print(prompts[0] if isinstance(prompts[0], str) else "", end="", flush=True)
+            print(text, end="", flush=True)
+        else:
+            texts[event.request_id].append(text)
+            if event.finish_reason:
+                i = index[event.request_id]
+                print(f"[{i}] {prompts[i]}{''.join(texts[event.request_id])}", flush=True)
     end = time.perf_counter()
-    print(",".join(map(str, tokens)))
-    print(f"time to first token {first - start:.2f}s, {(len(tokens) - 1) / max(end - first, 1e-9):.1f} "
-          "tokens/s", file=sys.stderr)
+    if single:
+        print()
+    ttft = (first_token or end) - start
+    rate = max(generated - len(requests), 0) / max(end - (first_token or end), 1e-9)
+    print(f"time to first token {ttft:.2f} s (command start, compile included), "
+          f"{rate:.1f} tokens/s after it ({generated} tokens, {len(requests)} prompts, batch "
+          f"{runner.batch_size}), {compilations()} compilations", file=sys.stderr)
     return 0
 
 

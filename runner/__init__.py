@@ -1,2 +1,15 @@
-"""Serving: the four jit-compiled functions, batch slots, pad buckets, sampling, tokenization and
-the ``run()`` generator. No model math (that is ``model/``)."""
+"""Serving: the four jit-compiled functions (``ModelRunner``), batch slots, pad buckets, sampling,
+tokenization, the request queue and the streaming ``run()`` (``InferenceRunner``). No model math.
+"""
+
+from runner.engine import DecodeState, ModelRunner
+from runner.requests import Request, TokenEvent
+from runner.runner import Completion, InferenceRunner, RunStream, default_pad_sizes, sample_from_model
+from runner.sampling import SampleOutput, SampleSettings, sample_token
+from runner.tokenizer import IncrementalDetokenizer, Tokenizer
+
+__all__ = [
+    "Completion", "DecodeState", "IncrementalDetokenizer", "InferenceRunner", "ModelRunner", "Request",
+    "RunStream", "SampleOutput", "SampleSettings", "TokenEvent", "Tokenizer", "default_pad_sizes",
+    "sample_from_model", "sample_token",
+]

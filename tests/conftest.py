@@ -31,3 +31,35 @@ def reference_dir():
     if not (REFERENCE / "ckpt" / "ckpt-0").is_dir():
         pytest.skip(f"Grok-1 reference fixture not found at {REFERENCE}")
     return REFERENCE
+
+
+def lively(params, factor: float = 30.0):
+    """Random parameters whose greedy output depends on the context.
+
+    With random tied embeddings the token's own embedding dominates the residual stream and greedy
+    decoding repeats the last token, which would let cache bugs pass unseen; scaling the post-norms
+    makes attention and the MoE dominate instead.
+    """
+    params = jax.tree_util.tree_map(lambda x: x, params)
+    for layer in params["transformer"].values():
+        for name in ("rms_norm_1", "rms_norm_3"):
+            layer[name]["scale"] = layer[name]["scale"] * factor
+    return params
+
+
+@pytest.fixture(scope="session")
+def test_tokenizer(tmp_path_factory):
+    """A 320-piece BPE SentencePiece model with byte fallback and Grok-1's special ids."""
+    import sentencepiece as spm
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    words = ("the of and to a in that it was her she he not be as you had with for his my but "
+             "on all at by this have which so from they were would no when are an been could "
+             "mister elizabeth darcy bennet sister ball house letter").split()
+    lines = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12)) for i in range(400)]
+    (directory / "corpus.txt").write_text("\n".join(lines))
+    spm.SentencePieceTrainer.train(
+        input=str(directory / "corpus.txt"), model_prefix=str(directory / "sp"), vocab_size=320,
+        model_type="bpe", byte_fallback=True, pad_id=0, bos_id=1, eos_id=2, unk_id=3,
+        character_coverage=1.0, minloglevel=2)
+    return str(directory / "sp.model")

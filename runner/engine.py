@@ -1,0 +1,195 @@
+"""``ModelRunner``: parameters on a mesh and the four jit-compiled functions that serve them.
+
+- ``forward(params, tokens, lengths)`` -> logits for whole sequences (scoring, tests, parity).
+- ``new_memory()`` -> a zeroed ``KVMemory`` with its sharding (batch over ``data``, KV heads over
+  ``model``).
+- ``prefill_memory(params, state, slot, tokens, length, reset, temperature, nucleus_p, top_k, seed)``
+  -> writes one request's prompt chunk into ``slot`` of the decode state and samples its first
+  token; compiled once per pad bucket.
+- ``sample_step(params, state)`` -> one decode step of every slot: new tokens, their log-probs,
+  and the state.
+
+The decode state (KV memory, each slot's last token, sampling settings, PRNG key and active flag)
+is one pytree donated to every call, so XLA updates it in place. All shardings are derived from
+the rules in ``model/sharding.py``; sampled outputs are replicated so every host can read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from model.config import ModelConfig
+from model.memory import KVMemory, new_memory
+from model.sharding import DEFAULT_RULES, make_mesh, memory_specs, param_shardings, spec_for
+from model.transformer import LanguageModel
+from runner.sampling import SampleOutput, SampleSettings, sample_token
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Everything a decode step reads and writes, one row per batch slot.
+
+    A free slot is a row whose ``active`` flag is False: it still runs through the step (the batch
+    is fixed) but its ``step`` does not advance and its outputs are ignored. ``prefill_memory``
+    with ``reset`` starts a row afresh at step 0; stale K/V beyond ``step`` are never attended to.
+    """
+
+    memory: KVMemory
+    tokens: jax.Array  # [B] int32: each slot's last token, the input of its next step
+    settings: SampleSettings
+    keys: jax.Array  # [B, 2] uint32: each slot's PRNG key
+    active: jax.Array  # [B] bool
+
+
+@dataclasses.dataclass
+class ModelRunner:
+    """Model config + parameters + mesh, and the four compiled functions.
+
+    Either ``checkpoint_path`` (restored on ``initialize``) or ``params`` (a pytree the caller
+    already has; no file I/O) must be given. ``bs_per_device`` sizes the batch as in the reference.
+    """
+
+    model: ModelConfig | None = None
+    checkpoint_path: str | None = None
+    params: dict | None = None
+    bs_per_device: float = 1.0
+    mesh: Mesh | None = None
+    rules: dict | None = None
+    # Activation dtype override. From a checkpoint on CPU the default is float32 with int8 weights
+    # dequantised once at load: XLA:CPU runs bf16/int8 matmuls 20-40x slower than fp32 (DESIGN.md).
+    dtype: str | None = None
+    dequantize: bool | None = None  # int8 -> float at load; default: on CPU only
+    moe_impl: str = "auto"
+    tokenizer_path: str | None = dataclasses.field(default=None, init=False)
+
+    def initialize(self, mesh: Mesh | None = None, batch_size: int | None = None) -> None:
+        self.mesh = mesh or self.mesh or make_mesh((1, 1), jax.devices()[:1])
+        self.rules = DEFAULT_RULES if self.rules is None else self.rules
+        if self.params is None:
+            self._restore()
+        elif self.model is None:
+            raise ValueError("ModelRunner.model (a ModelConfig) is required with params")
+        if self.dtype is not None:
+            self.model = dataclasses.replace(self.model, fprop_dtype=self.dtype)
+        self.batch_size = batch_size or max(1, int(self.bs_per_device * self.mesh.size))
+        data = self.mesh.shape["data"]
+        if self.batch_size % data:
+            raise ValueError(f"batch_size {self.batch_size} is not divisible by the mesh's data axis ({data})")
+        self.param_shardings = param_shardings(self.params, self.mesh, self.rules)
+        self.params = jax.device_put(self.params, self.param_shardings)
+        self._build()
+
+    def _restore(self) -> None:
+        from checkpoints import restore
+
+        if self.checkpoint_path is None:
+            raise ValueError("ModelRunner needs checkpoint_path or params")
+        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
+        dequantize = on_cpu if self.dequantize is None else self.dequantize
+        restored = restore(self.checkpoint_path, mesh=self.mesh, config=self.model, rules=self.rules,
+                           dequantize=dequantize, dtype=np.float32 if dequantize else None)
+        self.model, self.params = restored.config, restored.params
+        if self.dtype is None and on_cpu:
+            self.dtype = "float32"
+        self.tokenizer_path = restored.tokenizer_path
+
+    # ---- shardings ---------------------------------------------------------------------------
+    def _named(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def state_shardings(self, memory: KVMemory) -> DecodeState:
+        batch = spec_for(("batch",), self.rules)
+        mem = memory_specs(memory, self.rules, self.mesh)
+        named = lambda tree: jax.tree_util.tree_map(self._named, tree, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
+        return DecodeState(
+            memory=named(mem),
+            tokens=self._named(batch),
+            settings=SampleSettings(*(self._named(batch) for _ in range(3))),
+            keys=self._named(P(*batch, None)),
+            active=self._named(batch),
+        )
+
+    # ---- the four functions ------------------------------------------------------------------
+    def _build(self) -> None:
+        config, b = self.model, self.batch_size
+        apply = LanguageModel(config, self.moe_impl).apply
+        abstract_memory = jax.eval_shape(lambda: new_memory(config, b))
+        state_sh = self.state_shardings(abstract_memory)
+        replicated = self._named(P())
+        out_sh = SampleOutput(*(replicated for _ in range(4)))
+
+        def forward(params, tokens, lengths):
+            return apply({"params": params}, tokens, None, lengths).logits
+
+        def _new_memory():
+            return new_memory(config, b)
+
+        def prefill(params, state, slot, tokens_1T, length, reset, temperature, nucleus_p, top_k, seed):
+            mem = state.memory
+            row = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)  # noqa: E731
+            put = lambda full, r: jax.lax.dynamic_update_slice_in_dim(full, r.astype(full.dtype), slot, axis=0)  # noqa: E731
+            step = jnp.where(reset, 0, row(mem.step))
+            row_memory = KVMemory(k=tuple(row(k) for k in mem.k), v=tuple(row(v) for v in mem.v), step=step)
+            out = apply({"params": params}, tokens_1T, row_memory, length[None], True)
+            new_mem = KVMemory(k=tuple(put(f, r) for f, r in zip(mem.k, out.memory.k)),
+                               v=tuple(put(f, r) for f, r in zip(mem.v, out.memory.v)),
+                               step=put(mem.step, out.memory.step))
+            # The key is derived from the seed alone, so chunking never changes a request's samples.
+            key, sample_key = jax.random.split(jax.random.PRNGKey(seed))
+            settings = SampleSettings(temperature=temperature[None], nucleus_p=nucleus_p[None], top_k=top_k[None])
+            sample = sample_token(out.logits[:, -1], settings, sample_key[None])
+            s = state.settings
+            state = DecodeState(
+                memory=new_mem,
+                tokens=state.tokens.at[slot].set(sample.token_id[0]),
+                settings=SampleSettings(temperature=s.temperature.at[slot].set(temperature),
+                                        nucleus_p=s.nucleus_p.at[slot].set(nucleus_p),
+                                        top_k=s.top_k.at[slot].set(top_k)),
+                keys=state.keys.at[slot].set(key),
+                active=state.active.at[slot].set(True),
+            )
+            return state, sample
+
+        def step(params, state):
+            split = jax.vmap(jax.random.split)(state.keys)  # [B, 2, 2]
+            keys, sample_keys = split[:, 0], split[:, 1]
+            lengths = state.active.astype(jnp.int32)  # free slots do not advance
+            out = apply({"params": params}, state.tokens[:, None], state.memory, lengths)
+            sample = sample_token(out.logits[:, 0], state.settings, sample_keys)
+            tokens = jnp.where(state.active, sample.token_id, state.tokens)
+            return state.replace(memory=out.memory, tokens=tokens, keys=keys), sample
+
+        def release(state, slot):
+            return state.replace(active=state.active.at[slot].set(False))
+
+        scalars = (replicated,) * 8
+        self.forward = jax.jit(forward, in_shardings=(self.param_shardings, None, None))
+        self.new_memory = jax.jit(_new_memory, out_shardings=state_sh.memory)
+        self.prefill_memory = jax.jit(
+            prefill, in_shardings=(self.param_shardings, state_sh) + scalars,
+            out_shardings=(state_sh, out_sh), donate_argnums=1)
+        self.sample_step = jax.jit(step, in_shardings=(self.param_shardings, state_sh),
+                                   out_shardings=(state_sh, out_sh), donate_argnums=1)
+        self.release_slot = jax.jit(release, in_shardings=(state_sh, replicated),
+                                    out_shardings=state_sh, donate_argnums=0)
+        self._state_shardings = state_sh
+
+    def new_state(self) -> DecodeState:
+        """A fresh decode state: zeroed memory, every slot free."""
+        b = self.batch_size
+        sh = self._state_shardings
+        return DecodeState(
+            memory=self.new_memory(),
+            tokens=jax.device_put(np.zeros((b,), np.int32), sh.tokens),
+            settings=jax.device_put(SampleSettings(
+                temperature=np.zeros((b,), np.float32), nucleus_p=np.ones((b,), np.float32),
+                top_k=np.zeros((b,), np.int32)), sh.settings),
+            keys=jax.device_put(np.zeros((b, 2), np.uint32), sh.keys),
+            active=jax.device_put(np.zeros((b,), bool), sh.active),
+        )

@@ -1,0 +1,79 @@
+"""Token sampling with per-slot settings: temperature, top-k, top-p (nucleus) and a per-slot key.
+
+Settings are arrays with one entry per batch slot, so requests with different settings share one
+compiled step (as in Grok-1's runner). Temperature 0 is exact argmax (the reference divides by it
+and gets NaN); everything else is temperature -> top-k -> top-p on the tempered, max-subtracted
+distribution, then a Gumbel-max draw with the slot's own key.
+
+Reported probabilities are those of the model itself (softmax of the raw logits, temperature 1):
+the chosen token's log-probability and the ``TOP_K`` most likely alternatives, like the
+reference's top-8.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+TOP_K = 8  # alternatives reported per token, as the reference's sampler
+_MIN_TEMPERATURE = 1e-6
+
+
+@flax.struct.dataclass
+class SampleSettings:
+    temperature: jax.Array  # [B] float32; 0 = greedy
+    nucleus_p: jax.Array  # [B] float32 in (0, 1]; 1 = off
+    top_k: jax.Array  # [B] int32; 0 = off
+
+    @classmethod
+    def zeros(cls, batch_size: int) -> "SampleSettings":
+        return cls(temperature=jnp.zeros((batch_size,), jnp.float32),
+                   nucleus_p=jnp.ones((batch_size,), jnp.float32),
+                   top_k=jnp.zeros((batch_size,), jnp.int32))
+
+
+@flax.struct.dataclass
+class SampleOutput:
+    token_id: jax.Array  # [B] int32
+    logprob: jax.Array  # [B] float32, log p(token) under the model
+    top_k_token_ids: jax.Array  # [B, TOP_K] int32
+    top_k_probs: jax.Array  # [B, TOP_K] float32
+
+
+def filter_logits(logits_BV, settings: SampleSettings):
+    """Tempered logits with everything outside top-k and the nucleus set to -inf."""
+    v = logits_BV.shape[-1]
+    temperature = jnp.maximum(settings.temperature, _MIN_TEMPERATURE)[:, None]
+    scaled_BV = logits_BV.astype(jnp.float32) / temperature
+    sorted_BV = -jnp.sort(-scaled_BV, axis=-1)  # descending
+    k_B = jnp.where(settings.top_k > 0, jnp.minimum(settings.top_k, v), v)
+    kth_B = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)[:, 0]
+    # nucleus over the top-k survivors: keep a token while the mass before it is below p
+    in_top_k_BV = jnp.arange(v)[None, :] < k_B[:, None]
+    shifted_BV = jnp.where(in_top_k_BV, sorted_BV - sorted_BV[:, :1], -jnp.inf)  # max-subtracted
+    probs_BV = jax.nn.softmax(shifted_BV, axis=-1)
+    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    keep_BV = (mass_before_BV < settings.nucleus_p[:, None]) & in_top_k_BV
+    keep_BV = keep_BV.at[:, 0].set(True)  # the most likely token always survives (p -> 0 is argmax)
+    last_kept_B = jnp.sum(keep_BV, axis=-1) - 1
+    threshold_B = jnp.take_along_axis(sorted_BV, last_kept_B[:, None], axis=-1)[:, 0]
+    threshold_B = jnp.maximum(threshold_B, kth_B)
+    return jnp.where(scaled_BV >= threshold_B[:, None], scaled_BV, -jnp.inf)
+
+
+def sample_token(logits_BV, settings: SampleSettings, keys_B2) -> SampleOutput:
+    """One token per row; ``keys_B2`` are the rows' own PRNG keys for this draw."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    filtered_BV = filter_logits(logits_BV, settings)
+    sampled_B = jax.vmap(jax.random.categorical)(keys_B2, filtered_BV)
+    greedy_B = jnp.argmax(logits_BV, axis=-1)
+    token_B = jnp.where(settings.temperature <= 0, greedy_B, sampled_B).astype(jnp.int32)
+    logprobs_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs_BV, min(TOP_K, logits_BV.shape[-1]))
+    return SampleOutput(
+        token_id=token_B,
+        logprob=jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0],
+        top_k_token_ids=top_ids.astype(jnp.int32),
+        top_k_probs=jnp.exp(top_logprobs),
+    )

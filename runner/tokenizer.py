@@ -1,0 +1,66 @@
+"""SentencePiece tokenization and incremental detokenization for streaming.
+
+Decoding a stream token by token is subtle: SentencePiece drops the leading space of the first
+piece it decodes, and a character split over several byte-fallback pieces (``<0xE2>`` ``<0x80>``
+``<0x99>``) decodes to U+FFFD until its last byte arrives. ``IncrementalDetokenizer`` therefore
+decodes a short window that starts a few tokens back (so the space is kept) and holds text back
+while it ends in an incomplete character, emitting exactly the new suffix each time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import sentencepiece as spm
+
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    """A SentencePiece model; ``encode`` adds no BOS, as Grok-1's runner."""
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise ValueError(f"tokenizer file {path!r} does not exist")
+        self.path = path
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=path)
+        except (OSError, RuntimeError) as e:
+            raise ValueError(f"{path}: not a SentencePiece model ({e})") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that concatenate to the full text."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids, context: int = 5):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-context:])
+        self.prefix_offset = 0  # window start
+        self.read_offset = len(self.ids)  # text up to here has been emitted
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if text.endswith(_REPLACEMENT) or len(text) <= len(prefix):
+            return ""  # an incomplete character (or nothing printable yet): wait for more bytes
+        delta = text[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix):] if len(text) > len(prefix) else ""

@@ -1,0 +1,264 @@
+"""The runner: slots, buckets, streaming, sampling settings, cancellation and bad requests."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from model import TINY, forward, init_params
+from runner import InferenceRunner, ModelRunner, Request, sample_from_model
+from runner.compile_count import compilations
+from tests.conftest import lively
+
+CONFIG = dataclasses.replace(TINY, vocab_size=320)
+PAD_SIZES = (8, 16, 32)  # a 40-token prompt is prefilled as 32 + 8
+
+
+@pytest.fixture(scope="session")
+def params():
+    return lively(init_params(CONFIG, jax.random.PRNGKey(0)))
+
+
+@pytest.fixture(scope="session")
+def runner(params, test_tokenizer):
+    r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=4,
+                        pad_sizes=PAD_SIZES, tokenizer_path=test_tokenizer)
+    r.initialize()
+    return r
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(params):
+    """Greedy continuation by full forward passes without any cache (one compile: fixed padding)."""
+    fwd = jax.jit(lambda p, t, n: forward(p, t, CONFIG, lengths=n).logits)
+
+    def generate(prompt, n, eos=None):
+        seq = list(prompt)
+        out = []
+        for _ in range(n):
+            padded = np.zeros((1, CONFIG.sequence_len), np.int32)
+            padded[0, : len(seq)] = seq
+            token = int(np.asarray(fwd(params, padded, np.array([len(seq)])))[0, len(seq) - 1].argmax())
+            out.append(token)
+            seq.append(token)
+            if token == eos:
+                break
+        return out
+
+    return generate
+
+
+def prompt_ids(i, length):
+    rng = np.random.default_rng(i)
+    return rng.integers(4, CONFIG.vocab_size, length).tolist()
+
+
+def collect(stream):
+    """{request_id: [events]} for a stream run to the end."""
+    events = {}
+    for event in stream:
+        events.setdefault(event.request_id, []).append(event)
+    return events
+
+
+def tokens_of(events):
+    return [e.token_id for e in events if e.token_id is not None]
+
+
+def mixed_requests(n):
+    lengths = [1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 40, 12]
+    requests = []
+    for i in range(n):
+        length = lengths[i % len(lengths)]
+        settings = [dict(temperature=0.0), dict(temperature=1.0, rng_seed=i),
+                    dict(temperature=0.7, nucleus_p=0.9, rng_seed=100 + i),
+                    dict(temperature=1.3, top_k=5, rng_seed=7)][i % 4]
+        requests.append(Request(prompt_ids(i, length), max_len=1 + (i * 5) % 17, **settings))
+    return requests
+
+
+def test_each_request_alone_equals_among_many(runner):
+    requests = mixed_requests(32)
+    together = collect(runner.run(requests))
+    assert set(together) == {r.request_id for r in requests}  # none lost
+    for r in requests:
+        events = together[r.request_id]
+        assert [e.index for e in events] == list(range(len(events)))  # none duplicated or skipped
+        assert [e.finish_reason is not None for e in events] == [False] * (len(events) - 1) + [True]
+        alone = collect(runner.run([dataclasses.replace(r, request_id=None)]))
+        (alone_events,) = alone.values()
+        assert tokens_of(events) == tokens_of(alone_events), r
+
+
+def test_greedy_equals_full_forward_without_cache_in_reused_slots(runner, greedy_reference):
+    # long requests first, so later ones land in slots that held other contexts
+    requests = [Request(prompt_ids(50 + i, n), temperature=0.0, max_len=m)
+                for i, (n, m) in enumerate([(30, 20), (40, 15), (5, 12), (9, 9), (2, 18), (17, 6), (33, 10)])]
+    events = collect(runner.run(requests))
+    for r in requests:
+        assert tokens_of(events[r.request_id]) == greedy_reference(r.prompt, r.max_len)
+
+
+def test_same_seed_same_tokens_and_different_seeds_differ(runner):
+    prompt = prompt_ids(60, 10)
+    runs = [runner.generate([prompt], temperature=1.0, rng_seed=s, max_len=20)[0].token_ids for s in (1, 1, 2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_near_zero_temperature_and_top_p_give_the_argmax(runner, greedy_reference):
+    prompt = prompt_ids(61, 12)
+    want = greedy_reference(prompt, 10)
+    assert runner.generate([prompt], temperature=0.0, max_len=10)[0].token_ids == want
+    assert runner.generate([prompt], temperature=1e-6, rng_seed=3, max_len=10)[0].token_ids == want
+    assert runner.generate([prompt], temperature=1.0, nucleus_p=1e-6, rng_seed=3, max_len=10)[0].token_ids == want
+    assert runner.generate([prompt], temperature=2.0, top_k=1, rng_seed=3, max_len=10)[0].token_ids == want
+
+
+def test_eos_and_stop_tokens_end_a_request(runner, greedy_reference):
+    prompt = prompt_ids(62, 6)
+    full = greedy_reference(prompt, 12)
+    stop = full[4]
+    done = runner.generate([prompt], temperature=0.0, max_len=12, stop_token_ids=[stop])[0]
+    assert done.token_ids == full[: full.index(stop) + 1] and done.finish_reason == "stop"
+    original = runner.config
+    try:
+        runner.config = dataclasses.replace(original, eos_token=full[6])
+        done = runner.generate([prompt], temperature=0.0, max_len=12)[0]
+    finally:
+        runner.config = original
+    assert done.token_ids == full[: full.index(full[6]) + 1] and done.finish_reason == "eos"
+    assert runner.generate([prompt], temperature=0.0, max_len=3)[0].finish_reason == "length"
+
+
+def test_no_compilation_after_warmup(runner):
+    compilations()  # start counting
+    runner.generate([Request([5], max_len=2)])  # host-side helpers touched once
+    before = compilations()
+    collect(runner.run(mixed_requests(50)))
+    runner.generate(["the house", "a letter from her sister"], temperature=0.5, rng_seed=1, max_len=5)
+    assert compilations() == before
+
+
+def test_cancellation_frees_the_slot(runner):
+    long = [Request(prompt_ids(70 + i, 5), temperature=0.0, max_len=40) for i in range(6)]
+    stream = runner.run()  # server mode: next() gives None once idle
+    for r in long:
+        stream.submit(r)
+    first = next(stream)
+    assert stream.cancel(long[5].request_id)  # still queued: all 4 slots are taken
+    running = first.request
+    assert stream.cancel(running.request_id)
+    events = {}
+    for event in iter(lambda: next(stream), None):
+        events.setdefault(event.request_id, []).append(event)
+    events[running.request_id].insert(0, first)
+    cancelled = [e for e in events[running.request_id] if e.finish_reason]
+    assert len(cancelled) == 1 and cancelled[0].finish_reason == "cancelled" and cancelled[0].token_id is None
+    assert [e.finish_reason for e in events[long[5].request_id]] == ["cancelled"]
+    for r in long[:5]:  # long[4] got the cancelled request's slot
+        if r is not running:
+            assert len(tokens_of(events[r.request_id])) == 40
+    assert not stream.cancel("no-such-request")
+
+
+BAD = [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=["a", 1]), "prompt"),
+    (dict(prompt=3.5), "prompt"),
+    (dict(prompt=[1], temperature=-0.1), "temperature"),
+    (dict(prompt=[1], temperature="hot"), "temperature"),
+    (dict(prompt=[1], nucleus_p=0.0), "nucleus_p"),
+    (dict(prompt=[1], nucleus_p=1.5), "nucleus_p"),
+    (dict(prompt=[1], top_k=-1), "top_k"),
+    (dict(prompt=[1], top_k=2.5), "top_k"),
+    (dict(prompt=[1], max_len=0), "max_len"),
+    (dict(prompt=[1], max_len=True), "max_len"),
+    (dict(prompt=[1], rng_seed=-3), "rng_seed"),
+    (dict(prompt=[1], stop_token_ids="ab"), "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("fields, name", BAD)
+def test_bad_requests_raise_naming_the_field(fields, name):
+    with pytest.raises(ValueError, match=name):
+        Request(**fields)
+
+
+def test_bad_submissions_do_not_disturb_running_requests(runner):
+    good = [Request(prompt_ids(80 + i, 9), temperature=0.0, max_len=12) for i in range(3)]
+    want = {r.request_id: tokens_of(e) for r, e in zip(good, collect(runner.run(good)).values())}
+    good = [dataclasses.replace(r, request_id=r.request_id + "-again") for r in good]
+    want = {r.request_id: want[r.request_id[: -len("-again")]] for r in good}
+    stream = runner.run(good)
+    events = [next(stream) for _ in range(5)]
+    for request, name in [(Request([1] * 60, max_len=10), "max_len"),
+                          (Request([CONFIG.vocab_size + 1]), "prompt"),
+                          (Request([1], stop_token_ids=[10**6]), "stop_token_ids"),
+                          ("not a request", "Request")]:
+        with pytest.raises(ValueError, match=name):
+            stream.submit(request)
+    events += list(stream)
+    got = {}
+    for e in events:
+        got.setdefault(e.request_id, []).append(e.token_id)
+    assert got == want
+
+
+def test_text_streams_incrementally_and_round_trips(runner):
+    done = runner.generate(["the house of her sister"], temperature=1.0, rng_seed=5, max_len=30)[0]
+    assert done.text == runner.tokenizer.decode(
+        [t for t in done.token_ids if t not in (CONFIG.eos_token,)]) or done.finish_reason == "eos"
+    stream_text = "".join(e.text for e in runner.run([Request("the house of her sister", temperature=1.0,
+                                                               rng_seed=5, max_len=30)]))
+    assert stream_text == done.text
+
+
+def test_sample_from_model_is_reference_compatible(runner):
+    gen = runner.run()
+    assert next(gen) is None  # primed and idle, like the reference's generator
+    text = sample_from_model(gen, "the letter", max_len=6, temperature=0.01)
+    again = sample_from_model(gen, "the letter", max_len=6, temperature=0.01)
+    assert isinstance(text, str) and text == again
+
+
+def test_the_four_functions_are_usable_on_their_own(runner, params):
+    engine = runner.runner
+    tokens = np.array([prompt_ids(90, 8)], np.int32)
+    logits = engine.forward(engine.params, tokens, np.array([8]))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(forward(params, tokens, CONFIG).logits), atol=1e-5)
+    state = engine.new_state()
+    padded = np.zeros((1, 8), np.int32)
+    padded[0] = tokens[0]
+    state, first = engine.prefill_memory(engine.params, state, np.int32(2), padded, np.int32(8), np.bool_(True),
+                                         np.float32(0), np.float32(1), np.int32(0), np.uint32(0))
+    assert int(first.token_id[0]) == int(np.asarray(logits)[0, -1].argmax())
+    state, out = engine.sample_step(engine.params, state)
+    assert int(state.memory.step[2]) == 9 and int(state.memory.step[0]) == 0
+
+
+def test_pad_sizes_and_batch_validation(params):
+    with pytest.raises(ValueError, match="pad_sizes"):
+        InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), pad_sizes=(0, 8)).initialize(warmup=False)
+    with pytest.raises(ValueError, match="batch_size 3 is not divisible"):
+        from model.sharding import make_mesh
+        InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=3,
+                        mesh=make_mesh((2, 1), jax.devices()[:2])).initialize(warmup=False)
+
+
+def test_default_pad_sizes():
+    from runner import default_pad_sizes
+
+    assert default_pad_sizes(64) == (16, 32, 64)
+    assert default_pad_sizes(8192)[-1] == 8192 and default_pad_sizes(100) == (16, 32, 64, 100)
+
+
+def test_tokenizer_vocabulary_mismatch_is_an_error(params, test_tokenizer):
+    small = dataclasses.replace(CONFIG, vocab_size=256)
+    with pytest.raises(ValueError, match="320 pieces but the model's vocab_size is 256"):
+        InferenceRunner(runner=ModelRunner(model=small, params=init_params(small, jax.random.PRNGKey(0))),
+                        tokenizer_path=test_tokenizer).initialize(warmup=False)
+
+

@@ -1,0 +1,57 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from runner.sampling import SampleSettings, filter_logits, sample_token
+
+
+def settings(b, temperature=1.0, nucleus_p=1.0, top_k=0):
+    return SampleSettings(temperature=jnp.full((b,), temperature, jnp.float32),
+                          nucleus_p=jnp.full((b,), nucleus_p, jnp.float32), top_k=jnp.full((b,), top_k, jnp.int32))
+
+
+def keys(b, seed=0):
+    return jax.random.split(jax.random.PRNGKey(seed), b)
+
+
+def test_temperature_zero_is_exact_argmax_and_never_nan():
+    logits = jnp.array([[1.0, 3.0, 2.0, 3.0 - 1e-6], [1e30, -1e30, 0.0, 5.0]])
+    out = sample_token(logits, settings(2, temperature=0.0), keys(2))
+    np.testing.assert_array_equal(np.asarray(out.token_id), [1, 0])
+    assert np.isfinite(np.asarray(out.logprob)).all() and np.isfinite(np.asarray(out.top_k_probs)).all()
+
+
+def test_top_k_and_top_p_keep_the_right_sets():
+    logits = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1]]))
+    kept = lambda **kw: np.isfinite(np.asarray(filter_logits(logits, settings(1, **kw))))[0].tolist()  # noqa: E731
+    assert kept() == [True] * 4
+    assert kept(top_k=2) == [True, True, False, False]
+    assert kept(nucleus_p=0.5) == [True, False, False, False]  # 0.5 alone reaches p
+    assert kept(nucleus_p=0.6) == [True, True, False, False]
+    assert kept(nucleus_p=0.9) == [True, True, True, False]
+    assert kept(nucleus_p=1e-6) == [True, False, False, False]
+    assert kept(nucleus_p=0.9, top_k=2) == [True, True, False, False]
+
+
+def test_sampling_follows_the_tempered_distribution():
+    logits = jnp.log(jnp.array([0.6, 0.3, 0.1]))[None].repeat(4000, axis=0)
+    out = sample_token(logits, settings(4000), keys(4000, seed=1))
+    freq = np.bincount(np.asarray(out.token_id), minlength=3) / 4000
+    np.testing.assert_allclose(freq, [0.6, 0.3, 0.1], atol=0.03)
+    hot = sample_token(logits, settings(4000, temperature=100.0), keys(4000, seed=2))
+    np.testing.assert_allclose(np.bincount(np.asarray(hot.token_id), minlength=3) / 4000, [1 / 3] * 3, atol=0.03)
+
+
+def test_reported_probabilities_are_the_models():
+    logits = jnp.log(jnp.array([[0.1, 0.7, 0.2]]))
+    out = sample_token(logits, settings(1, temperature=0.0), keys(1))
+    assert int(out.token_id[0]) == 1
+    np.testing.assert_allclose(float(out.logprob[0]), np.log(0.7), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.top_k_token_ids[0]), [1, 2, 0])
+    np.testing.assert_allclose(np.asarray(out.top_k_probs[0]), [0.7, 0.2, 0.1], rtol=1e-5)
+
+
+def test_huge_logits_are_stable():
+    logits = jnp.array([[1e4, 1e4 - 1.0, -1e4]])
+    out = sample_token(logits, settings(1, temperature=0.5, nucleus_p=0.9), keys(1))
+    assert int(out.token_id[0]) in (0, 1) and np.isfinite(float(out.logprob[0]))
