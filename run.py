@@ -41,7 +41,59 @@ def parse_args(argv):
     p.add_argument("--mesh", default=None, help="device mesh DATA,MODEL (default 1,1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation dtype "
                    "(default: the checkpoint's; float32 is used on CPU, where bf16 matmuls are slow)")
+    p.add_argument("--plan", action="store_true", help="print the per-device memory plan and exit "
+                   "(with --preset or --checkpoint, --mesh, --batch-size, --device-memory)")
+    p.add_argument("--preset", help="plan for a preset config (grok-1, ...) in the Grok-1 release's "
+                   "dtypes (int8 matrices, bf16 scales, float32 embedding) instead of a checkpoint")
+    p.add_argument("--device-memory", type=float, help="memory of one device in GiB, for --plan")
+    p.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+                   help="multi-host: coordinator HOST:PORT for jax.distributed.initialize "
+                   "(env JAX_COORDINATOR_ADDRESS), or 'auto' where JAX detects the cluster (Cloud TPU, SLURM)")
+    p.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"),
+                   help="multi-host: number of processes (env JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"),
+                   help="multi-host: this process's id (env JAX_PROCESS_ID)")
     return p, p.parse_args(argv)
+
+
+def _env_int(name):
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def plan(parser, args) -> int:
+    from checkpoints import CheckpointError
+    from checkpoints.restore import abstract_checkpoint
+    from model import PRESETS
+    from model.plan import abstract_params, memory_plan
+
+    mesh = int_list(parser, "--mesh", args.mesh) if args.mesh else [1, 1]
+    if args.preset:
+        if args.preset not in PRESETS:
+            parser.error(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
+        config = PRESETS[args.preset]
+        params = abstract_params(config, quantized=True)
+    elif args.checkpoint:
+        try:
+            config, params = abstract_checkpoint(args.checkpoint, args.config)
+        except CheckpointError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    else:
+        parser.error("--plan needs --preset NAME or --checkpoint DIR")
+    if args.dtype:
+        import dataclasses
+
+        config = dataclasses.replace(config, fprop_dtype=args.dtype)
+    memory = None if args.device_memory is None else int(args.device_memory * 2**30)
+    try:
+        result = memory_plan(config, params, mesh_shape=tuple(mesh), batch_size=args.batch_size or 1,
+                             device_memory=memory)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(result.format())
+    return 0
 
 
 def int_list(parser, flag, text):
@@ -57,6 +109,18 @@ def int_list(parser, flag, text):
 def main(argv=None) -> int:
     parser, args = parse_args(argv)
     start = time.perf_counter()
+    if args.plan:
+        return plan(parser, args)
+    if args.coordinator == "auto":
+        import jax
+
+        jax.distributed.initialize()  # Cloud TPU, SLURM, ...: JAX finds the cluster itself
+    elif args.coordinator or args.num_processes:
+        import jax
+
+        if not (args.coordinator and args.num_processes and args.process_id is not None):
+            parser.error("multi-host needs --coordinator, --num-processes and --process-id (or their env vars)")
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     from runner import InferenceRunner, ModelRunner, Request
     from runner.compile_count import compilations
     from runner.runner import default_checkpoint

@@ -215,3 +215,18 @@ def restore(directory: str, *, mesh: Mesh | None = None, dtype=None, dequantize:
     params = materialize(sources, config, mesh=mesh, dtype=dtype, dequantize=dequantize, rules=rules,
                          progress=progress)
     return Restored(config, params, tokenizer_path)
+
+
+def abstract_checkpoint(directory: str, config=None) -> tuple[ModelConfig, dict]:
+    """The config and ShapeDtypeStruct tree of a checkpoint, read from headers only (for planning)."""
+    if os.path.exists(os.path.join(directory, CONFIG)):
+        config, sources, _ = open_native(directory)
+    elif config is not None:
+        from checkpoints.grok1_layout import open_original
+
+        config = resolve_config(config)
+        sources = open_original(directory, config)
+    else:
+        raise CheckpointError(f"{directory}: not a native checkpoint; pass a config for the original layout")
+    check_sources(sources, config)
+    return config, _nest({name: _placeholder(source) for name, source in sources.items()})

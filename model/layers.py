@@ -15,6 +15,10 @@ import jax.numpy as jnp
 
 from model.config import ModelConfig
 from model.quant import QuantizedWeight8bit, dequantize, is_quantized
+from model.sharding import constrain
+
+RESIDUAL = ("batch", "seq", "act_embed")
+CACHE = ("batch", "cache_sequence", "cache_kv_heads", "head_dim")
 
 _MASKED = -1e30  # Grok-1: masked attention logits are set to -1e30
 
@@ -86,9 +90,9 @@ class MultiHeadAttention(nn.Module):
         wv_DKH = dequantize(Weight((d, k * h), name="value")(), dtype).reshape(d, k, h)
         wo_ND = dequantize(Weight((n * h, d), name="linear")(), dtype)
 
-        q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, wq_DNH)
-        k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, wk_DKH)
-        v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, wv_DKH)
+        q_BTNH = constrain(jnp.einsum("BTD,DNH->BTNH", x_BTD, wq_DNH), ("batch", "seq", "act_heads", "head_dim"))
+        k_BTKH = constrain(jnp.einsum("BTD,DKH->BTKH", x_BTD, wk_DKH), ("batch", "seq", "act_kv_heads", "head_dim"))
+        v_BTKH = constrain(jnp.einsum("BTD,DKH->BTKH", x_BTD, wv_DKH), ("batch", "seq", "act_kv_heads", "head_dim"))
         # The same positions (cache step + t) rotate queries and keys.
         q_BTNH = rotary_embedding(q_BTNH, positions_BT, c.rope_base)
         k_BTKH = rotary_embedding(k_BTKH, positions_BT, c.rope_base)
@@ -100,6 +104,7 @@ class MultiHeadAttention(nn.Module):
             # clamped onto valid entries (XLA's dynamic_update_slice would clamp).
             k_BSKH = k_BSKH.at[rows_BT, positions_BT].set(k_BTKH.astype(k_BSKH.dtype), mode="drop")
             v_BSKH = v_BSKH.at[rows_BT, positions_BT].set(v_BTKH.astype(v_BSKH.dtype), mode="drop")
+            k_BSKH, v_BSKH = constrain(k_BSKH, CACHE), constrain(v_BSKH, CACHE)  # never resharded
             cache = (k_BSKH, v_BSKH)
             k_BSKH, v_BSKH = k_BSKH.astype(dtype), v_BSKH.astype(dtype)
         else:
@@ -208,7 +213,7 @@ class DecoderLayer(nn.Module):
         attn_BTD, cache = MultiHeadAttention(c, name="multi_head_attention")(
             RMSNorm(c.rms_norm_eps, name="rms_norm")(h_BTD), positions_BT, mask_BTS, cache)
         self.sow("intermediates", "attn_out", attn_BTD)
-        h_BTD = h_BTD + RMSNorm(c.rms_norm_eps, name="rms_norm_1")(attn_BTD)
+        h_BTD = constrain(h_BTD + RMSNorm(c.rms_norm_eps, name="rms_norm_1")(attn_BTD), RESIDUAL)
 
         x_BTD = RMSNorm(c.rms_norm_eps, name="rms_norm_2")(h_BTD)
         w_router = Weight((c.emb_size, c.num_experts), name="router")()
@@ -219,6 +224,6 @@ class DecoderLayer(nn.Module):
         self.sow("intermediates", "router_probs", probs_BTE)
         moe_BTD = MoELayer(c, self.moe_impl, name="moe")(x_BTD, probs_BTE)
         self.sow("intermediates", "moe_out", moe_BTD)
-        h_BTD = h_BTD + RMSNorm(c.rms_norm_eps, name="rms_norm_3")(moe_BTD)
+        h_BTD = constrain(h_BTD + RMSNorm(c.rms_norm_eps, name="rms_norm_3")(moe_BTD), RESIDUAL)
         self.sow("intermediates", "h_out", h_BTD)
         return h_BTD, cache

@@ -13,6 +13,8 @@ so scale groups work on any mesh, unlike the reference's (which needs exactly 8 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import re
 
@@ -48,11 +50,17 @@ DEFAULT_RULES: dict[str, object] = {
     "experts": None,
     "router_experts": None,
     "norm": None,
-    # KV memory and activations
+    # KV memory
     "batch": "data",
     "cache_sequence": None,
     "cache_kv_heads": "model",
     "head_dim": None,
+    # activations, constrained at block boundaries only (Grok-1: d_model over "model")
+    "seq": None,
+    "act_embed": "model",
+    "act_heads": "model",
+    "act_kv_heads": "model",
+    "act_vocab": "model",
 }
 
 # Expert parallelism: experts over ``model``, each expert's FFN whole on its device.
@@ -149,3 +157,38 @@ def memory_specs(memory, rules: dict | None = None, mesh: Mesh | None = None):
     if mesh is not None:
         check_divisible("KVMemory.k", memory.k[0].shape, kv, mesh)
     return type(memory)(k=tuple(kv for _ in memory.k), v=tuple(kv for _ in memory.v), step=step)
+
+
+# ---- activation constraints -----------------------------------------------------------------
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("activation_sharding", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: dict | None = None):
+    """Within this block, ``constrain`` pins activations to ``mesh`` by ``rules`` (used while tracing).
+
+    Scoped to the caller's own traced functions: no global JAX state is changed.
+    """
+    token = _ACTIVE.set((mesh, DEFAULT_RULES if rules is None else rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x, axes: tuple):
+    """Constrain ``x`` to the logical ``axes`` when an ``activation_sharding`` block is active.
+
+    A dimension its mesh axes do not divide (a batch of 1 over two data shards) is replicated.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    entries = []
+    for size, axis in zip(x.shape, axes):
+        entry = None if axis is None else spec_for((axis,), rules)[0]
+        if entry is not None and size % _axis_size(mesh, entry):
+            entry = None
+        entries.append(entry)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*entries)))

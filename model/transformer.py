@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
-from model.layers import DecoderLayer, RMSNorm
+from model.layers import RESIDUAL, DecoderLayer, RMSNorm
 from model.memory import KVMemory
 from model.quant import dequantize
+from model.sharding import constrain
 
 
 @flax.struct.dataclass
@@ -53,13 +54,14 @@ class LanguageModelHead(nn.Module):
         table_VD = self.in_out_embed.embeddings
         # Grok-1: look up in the stored dtype, cast, then scale by sqrt(D) in the activation dtype.
         x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(c.dtype)
-        return x_BTD * jnp.asarray(c.embedding_multiplier_scale, c.dtype)
+        return constrain(x_BTD * jnp.asarray(c.embedding_multiplier_scale, c.dtype), RESIDUAL)
 
     def unembed(self, h_BTD):
         c = self.config
         h_BTD = self.rms_norm(h_BTD)
         table_VD = dequantize(self.in_out_embed.embeddings, c.dtype)
         logits_BTV = jnp.einsum("BTD,VD->BTV", h_BTD, table_VD)
+        logits_BTV = constrain(logits_BTV, ("batch", "seq", "act_vocab"))
         return (logits_BTV * c.output_multiplier_scale).astype(jnp.float32)
 
 

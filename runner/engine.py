@@ -26,7 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
 from model.memory import KVMemory, new_memory
-from model.sharding import DEFAULT_RULES, make_mesh, memory_specs, param_shardings, spec_for
+from model.sharding import (DEFAULT_RULES, activation_sharding, make_mesh, memory_specs, param_shardings,
+                            spec_for)
 from model.transformer import LanguageModel
 from runner.sampling import SampleOutput, SampleSettings, sample_token
 
@@ -118,7 +119,12 @@ class ModelRunner:
     # ---- the four functions ------------------------------------------------------------------
     def _build(self) -> None:
         config, b = self.model, self.batch_size
-        apply = LanguageModel(config, self.moe_impl).apply
+        module = LanguageModel(config, self.moe_impl)
+
+        def apply(*args):
+            with activation_sharding(self.mesh, self.rules):  # active while tracing only
+                return module.apply(*args)
+
         abstract_memory = jax.eval_shape(lambda: new_memory(config, b))
         state_sh = self.state_shardings(abstract_memory)
         replicated = self._named(P())

@@ -28,7 +28,7 @@ class Request:
     prompt: Union[str, Sequence[int]]  # text, or token ids used as they are
     temperature: float = 1.0  # 0 = greedy (exact argmax)
     nucleus_p: float = 1.0  # top-p in (0, 1]; 1 = off
-    rng_seed: Optional[int] = None  # None: a fresh seed; the same seed gives the same tokens
+    rng_seed: Optional[int] = None  # None: derived from request_id; the same seed, the same tokens
     max_len: int = 256  # tokens to generate at most
     top_k: int = 0  # 0 = off
     stop_token_ids: Sequence[int] = ()  # generation ends after any of these (EOS always ends it)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import secrets
+import zlib
 from typing import Iterable, Optional, Sequence
 
 import jax
@@ -27,6 +27,12 @@ from model.sharding import make_mesh
 from runner.engine import ModelRunner
 from runner.requests import Request, TokenEvent
 from runner.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def default_seed(request: Request) -> int:
+    """The seed of a request that names none: derived from its id, so every process of a
+    multi-host run draws the same tokens (each runs the same scheduler on the same requests)."""
+    return zlib.crc32(request.request_id.encode())
 
 
 def default_pad_sizes(sequence_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -281,7 +287,7 @@ class RunStream:
         while self._queue and None in self._slots:
             request, ids = self._queue.popleft()
             index = self._slots.index(None)
-            seed = request.rng_seed if request.rng_seed is not None else secrets.randbits(32)
+            seed = request.rng_seed if request.rng_seed is not None else default_seed(request)
             out = None
             for n, (chunk, length) in enumerate(r.prefill_chunks(ids)):
                 r.state, out = r._prefill(index, chunk, length, n == 0, request, seed)

@@ -5,14 +5,10 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import pathlib  # noqa: E402
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
-REFERENCE = SHARED_DATA / "grok1_reference"
+from tests.helpers import REFERENCE, SHARED_DATA, lively  # noqa: E402,F401
 
 
 def pytest_configure(config):
@@ -31,20 +27,6 @@ def reference_dir():
     if not (REFERENCE / "ckpt" / "ckpt-0").is_dir():
         pytest.skip(f"Grok-1 reference fixture not found at {REFERENCE}")
     return REFERENCE
-
-
-def lively(params, factor: float = 30.0):
-    """Random parameters whose greedy output depends on the context.
-
-    With random tied embeddings the token's own embedding dominates the residual stream and greedy
-    decoding repeats the last token, which would let cache bugs pass unseen; scaling the post-norms
-    makes attention and the MoE dominate instead.
-    """
-    params = jax.tree_util.tree_map(lambda x: x, params)
-    for layer in params["transformer"].values():
-        for name in ("rms_norm_1", "rms_norm_3"):
-            layer[name]["scale"] = layer[name]["scale"] * factor
-    return params
 
 
 @pytest.fixture(scope="session")

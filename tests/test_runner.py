@@ -9,7 +9,7 @@ import pytest
 from model import TINY, forward, init_params
 from runner import InferenceRunner, ModelRunner, Request, sample_from_model
 from runner.compile_count import compilations
-from tests.conftest import lively
+from tests.helpers import lively
 
 CONFIG = dataclasses.replace(TINY, vocab_size=320)
 PAD_SIZES = (8, 16, 32)  # a 40-token prompt is prefilled as 32 + 8

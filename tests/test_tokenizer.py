@@ -1,7 +1,7 @@
 import pytest
 
 from runner import IncrementalDetokenizer, Tokenizer
-from tests.conftest import SHARED_DATA
+from tests.helpers import SHARED_DATA
 
 GROK_TOKENIZER = SHARED_DATA / "grok1-tokenizer.model"
 EXAMPLE = "The answer to life the universe and everything is of course"

@@ -1,0 +1,23 @@
+"""Shared test helpers (importable by subprocess workers without conftest's device setup)."""
+
+import pathlib
+
+import jax
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+REFERENCE = SHARED_DATA / "grok1_reference"
+
+
+def lively(params, factor: float = 30.0):
+    """Random parameters whose greedy output depends on the context.
+
+    With random tied embeddings the token's own embedding dominates the residual stream and greedy
+    decoding repeats the last token, which would let cache bugs pass unseen; scaling the post-norms
+    makes attention and the MoE dominate instead.
+    """
+    params = jax.tree_util.tree_map(lambda x: x, params)
+    for layer in params["transformer"].values():
+        for name in ("rms_norm_1", "rms_norm_3"):
+            layer[name]["scale"] = layer[name]["scale"] * factor
+    return params

@@ -1,0 +1,266 @@
+"""Sharding: declared layouts, Grok-1's golden layout, equivalence on any mesh, multi-process runs,
+and the memory plan."""
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from model import GROK_1, TINY, forward, init_params, new_memory
+from model.plan import abstract_params, memory_plan
+from model.sharding import (EXPERT_PARALLEL_RULES, logical_axes, make_mesh, memory_specs, param_specs,
+                            path_str)
+from runner import InferenceRunner, ModelRunner, Request
+from tests.helpers import REPO, lively
+from tests.test_quant import quantize_params
+
+# every sharded dimension divisible by 8: emb 64, 8 KV heads, ffn 88, 4 experts
+SHARD = dataclasses.replace(TINY, vocab_size=512, emb_size=64, num_q_heads=8, num_kv_heads=8, key_size=8,
+                            sequence_len=48)
+MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]
+PROMPTS = [[5, 9, 200, 17, 3, 44], [77] * 11, list(range(30, 50)), [400, 401]]
+
+
+@pytest.fixture(scope="module")
+def shard_params():
+    return lively(init_params(SHARD, jax.random.PRNGKey(3)))
+
+
+def flat_specs(tree):
+    return {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, P))[0]}
+
+
+# ---- declared layouts ------------------------------------------------------------------------
+def test_golden_grok1_layout_on_a_1x8_mesh():
+    """GROK1.md §6's partition table, leaf by leaf, for the released int8 checkpoint's shapes."""
+    mesh = jax.sharding.AbstractMesh((1, 8), ("data", "model"))
+    specs = flat_specs(param_specs(abstract_params(GROK_1, quantized=True), mesh=mesh))
+    grok1 = {
+        "language_model/in_out_embed/embeddings": P(None, ("data", "model")),
+        "language_model/rms_norm/scale": P(None),
+        "multi_head_attention/query/w": P("data", "model"),
+        "multi_head_attention/key/w": P("data", "model"),
+        "multi_head_attention/value/w": P("data", "model"),
+        "multi_head_attention/linear/w": P("model", "data"),
+        "router/w": P("data", None),
+        "moe/linear/w": P(None, "data", "model"),
+        "moe/linear_v/w": P(None, "data", "model"),
+        "moe/linear_1/w": P(None, "model", "data"),
+        "rms_norm/scale": P(None), "rms_norm_1/scale": P(None),
+        "rms_norm_2/scale": P(None), "rms_norm_3/scale": P(None),
+    }
+    assert len(specs) == 2 + GROK_1.num_layers * (12 + 7)  # 7 of 12 leaves are int8: weight + scales
+    for name, spec in specs.items():
+        base = name.removesuffix("/weight").removesuffix("/scales")
+        key = next(k for k in grok1 if base == k or base.endswith("/" + k))
+        # Grok-1 gives a weight's scales the weight's own spec; the scale groups (1 or 8) divide
+        # the model axis here, so ours are the same on this mesh.
+        assert tuple(spec) == tuple(grok1[key]), name
+    # Deliberate difference: Grok-1 shards the KV memory's *sequence* over "model" and reshards
+    # it to heads in every layer of every step; ours keeps KV heads over "model" throughout.
+    kv = memory_specs(jax.eval_shape(lambda: new_memory(SHARD, 8)))
+    assert kv.k[0] == P("data", None, "model", None) and kv.step == P("data")
+
+
+def test_a_leaf_without_a_rule_is_an_error():
+    with pytest.raises(ValueError, match="'transformer/decoder_layer_0/moe/bias' has no logical-axes"):
+        logical_axes("transformer/decoder_layer_0/moe/bias")
+    with pytest.raises(ValueError, match="no entry for logical axes"):
+        param_specs({"language_model": {"rms_norm": {"scale": jnp.zeros(4)}}}, rules={})
+
+
+def test_an_undivided_dimension_names_both():
+    params = jax.eval_shape(lambda: init_params(TINY, jax.random.PRNGKey(0)))
+    with pytest.raises(ValueError, match=r"in_out_embed/embeddings: dimension 1 of size 32 is not divisible "
+                                         r"by mesh axis \('data', 'model'\) of size 3"):
+        param_specs(params, mesh=jax.sharding.AbstractMesh((1, 3), ("data", "model")))
+    memory = jax.eval_shape(lambda: new_memory(TINY, 8))  # 2 KV heads cannot split 8 ways
+    with pytest.raises(ValueError, match=r"KVMemory.k: dimension 2 of size 2 is not divisible by mesh axis "
+                                         r"'model' of size 8"):
+        memory_specs(memory, mesh=jax.sharding.AbstractMesh((1, 8), ("data", "model")))
+
+
+# ---- equivalence on 8 fake CPU devices ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def plain_params():
+    """Unscaled random parameters for logit comparisons (``lively`` ones amplify rounding 30x)."""
+    return init_params(SHARD, jax.random.PRNGKey(4))
+
+
+@pytest.fixture(scope="module")
+def single_device(shard_params, plain_params):
+    tokens = np.array([p + [0] * (20 - len(p)) for p in PROMPTS], np.int32)
+    lengths = np.array([len(p) for p in PROMPTS])
+    logits = np.asarray(forward(plain_params, tokens, SHARD, lengths=lengths).logits)
+    runner = InferenceRunner(runner=ModelRunner(model=SHARD, params=shard_params), batch_size=8, pad_sizes=(8, 16))
+    runner.initialize()
+    return tokens, lengths, logits, generate(runner)
+
+
+def assert_close_fp32(got, want):
+    """Within 1e-5, relative to the logit's size where it exceeds 1: sharded contractions sum in
+    another order, and a logit of 31 has an fp32 spacing of 2e-6 (tied embeddings make the token's
+    own logit large)."""
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def generate(runner):
+    requests = [Request(p, temperature=0.0, max_len=12) for p in PROMPTS]
+    requests += [Request(p, temperature=1.0, rng_seed=i, max_len=8) for i, p in enumerate(PROMPTS)]
+    return [c.token_ids for c in runner.generate(requests)]
+
+
+@pytest.mark.parametrize("shape", MESHES)
+def test_meshes_match_single_device(shard_params, plain_params, single_device, shape):
+    tokens, lengths, want_logits, want_tokens = single_device
+    mesh = make_mesh(shape, jax.devices()[: shape[0] * shape[1]])
+    plain = ModelRunner(model=SHARD, params=plain_params)
+    plain.initialize(mesh, batch_size=8)
+    logits = plain.forward(plain.params, tokens, lengths)
+    assert_close_fp32(np.asarray(logits), want_logits)
+    runner = InferenceRunner(runner=ModelRunner(model=SHARD, params=shard_params), batch_size=8,
+                             pad_sizes=(8, 16), mesh=mesh)
+    runner.initialize()
+    engine = runner.runner
+    assert generate(runner) == want_tokens
+    # outputs carry the declared shardings
+    w = engine.params["transformer"]["decoder_layer_1"]["moe"]["linear"]["w"]
+    assert w.sharding.spec == P(None, "data", "model") and w.sharding.mesh.shape == mesh.shape
+    state = runner.state
+    assert state.memory.k[0].sharding.spec == P("data", None, "model", None)
+    assert state.memory.step.sharding.spec == P("data") and state.tokens.sharding.spec == P("data")
+
+
+def test_expert_parallelism_matches(shard_params, plain_params, single_device):
+    tokens, lengths, want_logits, want_tokens = single_device
+    mesh = make_mesh((2, 4))
+    plain = ModelRunner(model=SHARD, params=plain_params, rules=EXPERT_PARALLEL_RULES)
+    plain.initialize(mesh, batch_size=8)
+    assert_close_fp32(np.asarray(plain.forward(plain.params, tokens, lengths)), want_logits)
+    runner = InferenceRunner(runner=ModelRunner(model=SHARD, params=shard_params, rules=EXPERT_PARALLEL_RULES),
+                             batch_size=8, pad_sizes=(8, 16), mesh=mesh)
+    runner.initialize()
+    w = runner.runner.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
+    assert w.sharding.spec == P("model", None, "data")
+    assert generate(runner) == want_tokens
+
+
+@pytest.mark.parametrize("groups", [1, 2, 8])
+def test_scale_groups_work_on_any_model_axis(plain_params, groups):
+    qparams = quantize_params(plain_params, groups=groups)
+    tokens = np.array([PROMPTS[2]], np.int32)
+    want = np.asarray(forward(qparams, tokens, SHARD).logits)
+    for shape in [(1, 2), (1, 4), (2, 4), (1, 8)]:
+        mesh = make_mesh(shape, jax.devices()[: shape[0] * shape[1]])
+        engine = ModelRunner(model=SHARD, params=qparams)
+        engine.initialize(mesh, batch_size=8)
+        down = engine.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
+        expected_g = "model" if groups % shape[1] == 0 else None  # G sharded where the mesh divides it
+        assert down.scales.sharding.spec[1] == expected_g
+        got = np.asarray(engine.forward(engine.params, tokens, np.array([tokens.shape[1]])))
+        assert_close_fp32(got, want)
+
+
+def test_kv_memory_is_never_resharded_inside_a_step(shard_params):
+    engine = ModelRunner(model=SHARD, params=shard_params)
+    engine.initialize(make_mesh((2, 4)), batch_size=8)
+    hlo = engine.sample_step.lower(engine.params, engine.new_state()).compile().as_text()
+    collectives = [line for line in hlo.splitlines()
+                   if re.search(r"\b(all-to-all|all-gather|collective-permute|all-reduce|reduce-scatter)(-start)?\(", line)]
+    assert collectives  # the weights' d_model over "data" does need all-gathers
+    s = SHARD.sequence_len
+    for line in collectives:
+        result = re.search(r"= \(?\w+\[([0-9,]*)\]", line)
+        dims = [int(d) for d in result.group(1).split(",") if d] if result else []
+        assert not (len(dims) == 4 and s in dims), f"the KV memory moves between devices: {line.strip()[:160]}"
+
+
+# ---- multi-process ----------------------------------------------------------------------------
+MULTIHOST = dataclasses.replace(TINY, vocab_size=512, emb_size=64, num_q_heads=4, num_kv_heads=4, key_size=8)
+
+
+def multihost_case():
+    """Runs identically in one process (8 devices) and in each of 2 processes (4 devices each)."""
+    params = jax.tree_util.tree_map(np.asarray, lively(init_params(MULTIHOST, jax.random.PRNGKey(5))))
+    runner = InferenceRunner(runner=ModelRunner(model=MULTIHOST, params=params), batch_size=4,
+                             pad_sizes=(8, 16), mesh=make_mesh((2, 4)))
+    runner.initialize()
+    requests = [Request(p, temperature=0.0, max_len=10) for p in PROMPTS[:3]]
+    requests.append(Request(PROMPTS[3], temperature=1.0, rng_seed=11, max_len=10))
+    return [c.token_ids for c in runner.generate(requests)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_give_the_same_tokens_as_one(tmp_path):
+    want = multihost_case()
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    worker = str(REPO / "tests" / "multihost_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(i), "2", port, str(tmp_path / f"out{i}.json")],
+                              env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    for i in range(2):
+        result = json.loads((tmp_path / f"out{i}.json").read_text())
+        assert result["process"] == i and result["devices"] == 8
+        assert result["tokens"] == want
+
+
+# ---- memory plan ------------------------------------------------------------------------------
+def test_plan_matches_real_array_sizes(shard_params):
+    qparams = quantize_params(shard_params, groups=2)
+    mesh = make_mesh((2, 4))
+    engine = ModelRunner(model=SHARD, params=qparams)
+    engine.initialize(mesh, batch_size=8)
+    plan = memory_plan(SHARD, jax.eval_shape(lambda: qparams), mesh_shape=(2, 4), batch_size=8)
+    device = mesh.devices.flat[0]
+    real = {}
+    for leaf in jax.tree_util.tree_leaves(engine.params):
+        shard = next(s for s in leaf.addressable_shards if s.device == device)
+        real[leaf.dtype.name] = real.get(leaf.dtype.name, 0) + shard.data.nbytes
+    assert plan.weight_bytes_by_dtype == real
+    state = engine.new_state()
+    kv_real = sum(next(s for s in x.addressable_shards if s.device == device).data.nbytes
+                  for x in state.memory.k + state.memory.v)
+    assert plan.kv_bytes == kv_real
+    assert plan.kv_bytes_per_slot == kv_real // (8 // 2)
+
+
+def test_plan_reproduces_grok1_figures():
+    one = memory_plan(GROK_1, abstract_params(GROK_1, quantized=True), mesh_shape=(1, 1))
+    assert abs(one.total_weight_bytes / 1e9 - 318) < 1.0  # about 318 GB of int8 checkpoint
+    assert one.kv_bytes_per_slot == 2 * 2**30  # 2 GiB of bf16 KV per 8192-token sequence
+    eight = memory_plan(GROK_1, abstract_params(GROK_1, quantized=True), mesh_shape=(1, 8), batch_size=8,
+                        device_memory=141 * 2**30)
+    assert eight.kv_bytes_per_slot == 2 * 2**30 // 8
+    assert abs(eight.weight_bytes - one.weight_bytes / 8) / eight.weight_bytes < 0.01
+    free = 141 * 2**30 - eight.weight_bytes
+    assert eight.max_batch(8192) == free // (2 * 2**30 // 8)
+
+
+def test_run_py_plan(capsys):
+    sys.path.insert(0, str(REPO))
+    import run
+
+    assert run.main(["--plan", "--preset", "grok-1", "--mesh", "1,8", "--batch-size", "8",
+                     "--device-memory", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "318.2 GB" in out and "KV per slot    : 256.00 MiB at 8192 tokens" in out
+    assert "context   8,192: batch" in out
