@@ -7,6 +7,7 @@ may be a float array or a ``QuantizedWeight8bit``; it is dequantised inside the 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -14,13 +15,14 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
-from model.quant import QuantizedWeight8bit, dequantize, is_quantized
+from model.quant import dequantize
 from model.sharding import constrain
 
 RESIDUAL = ("batch", "seq", "act_embed")
 CACHE = ("batch", "cache_sequence", "cache_kv_heads", "head_dim")
 
 _MASKED = -1e30  # Grok-1: masked attention logits are set to -1e30
+_MAX_SWITCH_ROWS = 32  # XLA:CPU compiles hundreds of unrolled switches slowly (and has crashed)
 
 
 def _fan_in_normal(fan_in_axes: tuple[int, ...]):
@@ -106,7 +108,10 @@ class MultiHeadAttention(nn.Module):
             v_BSKH = v_BSKH.at[rows_BT, positions_BT].set(v_BTKH.astype(v_BSKH.dtype), mode="drop")
             k_BSKH, v_BSKH = constrain(k_BSKH, CACHE), constrain(v_BSKH, CACHE)  # never resharded
             cache = (k_BSKH, v_BSKH)
-            k_BSKH, v_BSKH = k_BSKH.astype(dtype), v_BSKH.astype(dtype)
+            # Attend to the first S positions only (S = the mask's length: a bucket that covers
+            # every row's valid positions), so a step reads the KV it needs, not the whole cache.
+            s = mask_BTS.shape[-1]
+            k_BSKH, v_BSKH = k_BSKH[:, :s].astype(dtype), v_BSKH[:, :s].astype(dtype)
         else:
             k_BSKH, v_BSKH = k_BTKH, v_BTKH
 
@@ -123,19 +128,19 @@ class MultiHeadAttention(nn.Module):
         return out_BTD, cache
 
 
-def _gelu_glu(x_MD, w_gate, w_up, w_down, spec_in, spec_out):
-    """One GeGLU expert application: down(gelu_tanh(x W_gate) * (x W_up))."""
-    gate = jnp.einsum(spec_in, x_MD, w_gate)
-    up = jnp.einsum(spec_in, x_MD, w_up)
-    return jnp.einsum(spec_out, jax.nn.gelu(gate, approximate=True) * up, w_down)
+def _batched(x, w):
+    """``x [E, ..., K] @ w [E, K, N]`` as one dot with E as a batch dimension.
+
+    XLA:CPU runs this straight off the stored weights; an einsum that puts E among the free
+    dimensions ("MD,EDF->MEF") transposes every expert's weights first (8x slower measured).
+    """
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (w.ndim - 2,)), ((0,), (0,))))
 
 
-def _take_expert(w, idx_M):
-    """Expert slices ``w[idx]`` of an [E, ...] weight, int8 gathered before dequantisation."""
-    if is_quantized(w):
-        return QuantizedWeight8bit(weight=jnp.take(w.weight, idx_M, axis=0),
-                                   scales=jnp.take(w.scales, idx_M, axis=0))
-    return jnp.take(w, idx_M, axis=0)
+def _geglu(x_E_D, w_gate, w_up, w_down):
+    """GeGLU experts batched over E: down(gelu_tanh(x W_gate) * (x W_up))."""
+    hidden = jax.nn.gelu(_batched(x_E_D, w_gate), approximate=True) * _batched(x_E_D, w_up)
+    return _batched(hidden, w_down)
 
 
 class MoELayer(nn.Module):
@@ -147,12 +152,12 @@ class MoELayer(nn.Module):
 
     - ``"dense"``: every expert on every token, then a gate-weighted combine (the reference's
       choice): reads each expert's weights once, E/k times the FLOPs. Best once most experts are hit.
-    - ``"gather"``: for each (token, slot), gather that expert's weights (int8 before
-      dequantisation) and apply it: only the selected experts' FLOPs and bytes. Best at small token
-      counts (decode), where the weights, not the FLOPs, cost the time.
+    - ``"switch"``: one expert application per (token, slot) row, the expert chosen at run time by
+      ``lax.switch``: only the selected experts' weights are read. Best at small token counts
+      (decode), where the weights, not the FLOPs, cost the time.
 
-    ``"auto"`` picks ``gather`` when tokens x k is below ``num_experts`` (fewer expert applications
-    than experts), ``dense`` otherwise; see BENCHMARKS.md for the measurement behind it.
+    ``"auto"`` picks ``switch`` while tokens x k is at most ``num_experts``, else ``dense``;
+    BENCHMARKS.md has the measurement behind the threshold.
     """
 
     config: ModelConfig
@@ -175,28 +180,29 @@ class MoELayer(nn.Module):
 
         impl = self.impl
         if impl == "auto":
-            impl = "gather" if b * t * top < e else "dense"
-        if impl == "gather":
-            idx_R = idx_BTk.reshape(-1)  # R = M*k (token, slot) rows
-            x_RD = jnp.repeat(x_MD, top, axis=0)
-            y_RD = _gelu_glu(
-                x_RD,
-                dequantize(_take_expert(w_gate, idx_R), dtype),
-                dequantize(_take_expert(w_up, idx_R), dtype),
-                dequantize(_take_expert(w_down, idx_R), dtype),
-                "RD,RDF->RF", "RF,RFD->RD")
-            y_BTkD = y_RD.reshape(b, t, top, d)
-            out_BTD = jnp.sum(gates_BTk[..., None] * y_BTkD, axis=2)
+            impl = "switch" if b * t * top <= e else "dense"
+        if impl == "switch":
+            if b * t * top > _MAX_SWITCH_ROWS:
+                raise ValueError(f"MoELayer impl 'switch' unrolls one switch per (token, slot) row and is "
+                                 f"meant for decode: {b * t * top} rows is more than {_MAX_SWITCH_ROWS}")
+
+            def expert(i, x_D):
+                pick = lambda w: dequantize(jax.tree_util.tree_map(lambda a: a[i:i + 1], w), dtype)  # noqa: E731
+                return _geglu(x_D[None, None], pick(w_gate), pick(w_up), pick(w_down))[0, 0]
+
+            branches = [functools.partial(expert, i) for i in range(e)]
+            idx_R = idx_BTk.reshape(-1)  # R = (token, slot) rows
+            y_RD = jnp.stack([jax.lax.switch(idx_R[r], branches, x_MD[r // top]) for r in range(b * t * top)])
+            out_BTD = jnp.sum(gates_BTk[..., None] * y_RD.reshape(b, t, top, d), axis=2)
         elif impl == "dense":
-            y_MED = _gelu_glu(
-                x_MD, dequantize(w_gate, dtype), dequantize(w_up, dtype),
-                dequantize(w_down, dtype), "MD,EDF->MEF", "MEF,EFD->MED")
+            x_EMD = jnp.broadcast_to(x_MD, (e, b * t, d))
+            y_EMD = _geglu(x_EMD, dequantize(w_gate, dtype), dequantize(w_up, dtype), dequantize(w_down, dtype))
             # combine[m, e] = gate of expert e for token m (0 where not selected)
             combine_MkE = jax.nn.one_hot(idx_BTk.reshape(-1, top), e, dtype=dtype)
             combine_ME = jnp.einsum("Mk,MkE->ME", gates_BTk.reshape(-1, top), combine_MkE)
-            out_BTD = jnp.einsum("ME,MED->MD", combine_ME, y_MED).reshape(b, t, d)
+            out_BTD = jnp.einsum("ME,EMD->MD", combine_ME, y_EMD).reshape(b, t, d)
         else:
-            raise ValueError(f"MoELayer.impl must be 'auto', 'dense' or 'gather', got {self.impl!r}")
+            raise ValueError(f"MoELayer.impl must be 'auto', 'switch' or 'dense', got {self.impl!r}")
         return out_BTD.astype(dtype)
 
 

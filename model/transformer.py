@@ -113,7 +113,9 @@ class LanguageModel(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BT, memory: KVMemory | None = None, lengths_B=None,
-                 last_only: bool = False):
+                 last_only: bool = False, kv_len: int | None = None):
+        """``kv_len`` (static, with memory): attend to cache positions ``[0, kv_len)`` only; every
+        row's ``step + length`` must fit in it (the runner picks it from a few buckets)."""
         c = self.config
         b, t = tokens_BT.shape
         if lengths_B is None:
@@ -126,7 +128,7 @@ class LanguageModel(nn.Module):
         else:
             positions_BT = jnp.broadcast_to(positions_BT, (b, t))
         mask_BTS = attention_mask(tokens_BT, lengths_B, c.pad_token, step_B,
-                                  None if memory is None else memory.sequence_len)
+                                  None if memory is None else kv_len or memory.sequence_len)
 
         head = LanguageModelHead(c, name="language_model")
         h_BTD = head.embed(tokens_BT)
@@ -142,7 +144,7 @@ class LanguageModel(nn.Module):
 
 
 def forward(params, tokens, config: ModelConfig, *, memory: KVMemory | None = None, lengths=None,
-            last_only: bool = False, moe_impl: str = "auto") -> ForwardOutput:
+            last_only: bool = False, moe_impl: str = "auto", kv_len: int | None = None) -> ForwardOutput:
     """Logits for ``tokens [B, T]``; with ``memory``, also the updated memory.
 
     ``lengths [B]`` is each row's number of real tokens (right padding beyond it is masked and, with
@@ -160,14 +162,17 @@ def forward(params, tokens, config: ModelConfig, *, memory: KVMemory | None = No
         if memory.batch_size != tokens.shape[0]:
             raise ValueError(f"forward: memory has {memory.batch_size} rows, tokens {tokens.shape[0]}")
         memory.check_fits(np.full(tokens.shape[:1], tokens.shape[1]) if lengths is None else lengths)
+        if kv_len is not None and not 0 < kv_len <= memory.sequence_len:
+            raise ValueError(f"forward: kv_len must be in (0, {memory.sequence_len}], got {kv_len}")
     return _apply(params, tokens, memory, lengths, config=config, last_only=last_only,
-                  moe_impl=moe_impl)
+                  moe_impl=moe_impl, kv_len=kv_len)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "last_only", "moe_impl"))
-def _apply(params, tokens, memory, lengths, *, config, last_only, moe_impl):
+@functools.partial(jax.jit, static_argnames=("config", "last_only", "moe_impl", "kv_len"))
+def _apply(params, tokens, memory, lengths, *, config, last_only, moe_impl, kv_len):
     # Jitted so that eager callers do not dispatch op by op; inside a caller's jit it simply inlines.
-    return LanguageModel(config, moe_impl).apply({"params": params}, tokens, memory, lengths, last_only)
+    return LanguageModel(config, moe_impl).apply({"params": params}, tokens, memory, lengths, last_only,
+                                                 kv_len)
 
 
 def init_params(config: ModelConfig, rng) -> dict:

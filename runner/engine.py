@@ -3,11 +3,12 @@
 - ``forward(params, tokens, lengths)`` -> logits for whole sequences (scoring, tests, parity).
 - ``new_memory()`` -> a zeroed ``KVMemory`` with its sharding (batch over ``data``, KV heads over
   ``model``).
-- ``prefill_memory(params, state, slot, tokens, length, reset, temperature, nucleus_p, top_k, seed)``
-  -> writes one request's prompt chunk into ``slot`` of the decode state and samples its first
-  token; compiled once per pad bucket.
-- ``sample_step(params, state)`` -> one decode step of every slot: new tokens, their log-probs,
-  and the state.
+- ``prefill_memory(params, state, slot, tokens, length, reset, temperature, nucleus_p, top_k, seed,
+  max_len, stop_ids, kv_len)`` -> writes one request's prompt chunk into ``slot`` of the decode
+  state and samples its first token; compiled once per pad bucket.
+- ``sample_step(params, state, kv_len, steps)`` -> ``steps`` decode steps of every slot in one
+  call (a scan on device, each slot stopping at its EOS, stop tokens or budget), attending to
+  the first ``kv_len`` cache positions only; compiled once per KV-length bucket.
 
 The decode state (KV memory, each slot's last token, sampling settings, PRNG key and active flag)
 is one pytree donated to every call, so XLA updates it in place. All shardings are derived from
@@ -17,6 +18,7 @@ the rules in ``model/sharding.py``; sampled outputs are replicated so every host
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
@@ -46,6 +48,21 @@ class DecodeState:
     settings: SampleSettings
     keys: jax.Array  # [B, 2] uint32: each slot's PRNG key
     active: jax.Array  # [B] bool
+    remaining: jax.Array  # [B] int32: tokens the slot may still generate
+    stop_ids: jax.Array  # [B, MAX_STOP_IDS] int32: ids that end the slot's request (-1 = unused)
+
+
+MAX_STOP_IDS = 8  # EOS plus up to 7 stop tokens per request
+
+
+@flax.struct.dataclass
+class DecodeOutput:
+    """``steps`` decode steps of every slot: ``sample`` fields are ``[steps, B, ...]``; ``valid``
+    says which slots generated a token at that step (a slot stops on device as soon as its request
+    ends, so later steps of the same call are not valid for it)."""
+
+    sample: SampleOutput
+    valid: jax.Array  # [steps, B] bool
 
 
 @dataclasses.dataclass
@@ -114,6 +131,8 @@ class ModelRunner:
             settings=SampleSettings(*(self._named(batch) for _ in range(3))),
             keys=self._named(P(*batch, None)),
             active=self._named(batch),
+            remaining=self._named(batch),
+            stop_ids=self._named(P(*batch, None)),
         )
 
     # ---- the four functions ------------------------------------------------------------------
@@ -136,13 +155,14 @@ class ModelRunner:
         def _new_memory():
             return new_memory(config, b)
 
-        def prefill(params, state, slot, tokens_1T, length, reset, temperature, nucleus_p, top_k, seed):
+        def prefill(params, state, slot, tokens_1T, length, reset, temperature, nucleus_p, top_k, seed,
+                    max_len, stop_ids, kv_len):
             mem = state.memory
             row = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)  # noqa: E731
             put = lambda full, r: jax.lax.dynamic_update_slice_in_dim(full, r.astype(full.dtype), slot, axis=0)  # noqa: E731
             step = jnp.where(reset, 0, row(mem.step))
             row_memory = KVMemory(k=tuple(row(k) for k in mem.k), v=tuple(row(v) for v in mem.v), step=step)
-            out = apply({"params": params}, tokens_1T, row_memory, length[None], True)
+            out = apply({"params": params}, tokens_1T, row_memory, length[None], True, kv_len)
             new_mem = KVMemory(k=tuple(put(f, r) for f, r in zip(mem.k, out.memory.k)),
                                v=tuple(put(f, r) for f, r in zip(mem.v, out.memory.v)),
                                step=put(mem.step, out.memory.step))
@@ -158,30 +178,46 @@ class ModelRunner:
                                         nucleus_p=s.nucleus_p.at[slot].set(nucleus_p),
                                         top_k=s.top_k.at[slot].set(top_k)),
                 keys=state.keys.at[slot].set(key),
-                active=state.active.at[slot].set(True),
+                # the first token may already end the request
+                active=state.active.at[slot].set((max_len > 1) & ~jnp.any(sample.token_id[0] == stop_ids)),
+                remaining=state.remaining.at[slot].set(max_len - 1),
+                stop_ids=state.stop_ids.at[slot].set(stop_ids),
             )
             return state, sample
 
-        def step(params, state):
-            split = jax.vmap(jax.random.split)(state.keys)  # [B, 2, 2]
-            keys, sample_keys = split[:, 0], split[:, 1]
-            lengths = state.active.astype(jnp.int32)  # free slots do not advance
-            out = apply({"params": params}, state.tokens[:, None], state.memory, lengths)
-            sample = sample_token(out.logits[:, 0], state.settings, sample_keys)
-            tokens = jnp.where(state.active, sample.token_id, state.tokens)
-            return state.replace(memory=out.memory, tokens=tokens, keys=keys), sample
+        def step(params, state, kv_len, steps):
+            def one(state, _):
+                split = jax.vmap(jax.random.split)(state.keys)  # [B, 2, 2]
+                keys, sample_keys = split[:, 0], split[:, 1]
+                valid = state.active
+                lengths = valid.astype(jnp.int32)  # free and finished slots do not advance
+                out = apply({"params": params}, state.tokens[:, None], state.memory, lengths, False, kv_len)
+                sample = sample_token(out.logits[:, 0], state.settings, sample_keys)
+                tokens = jnp.where(valid, sample.token_id, state.tokens)
+                remaining = state.remaining - lengths
+                stopped = jnp.any(tokens[:, None] == state.stop_ids, axis=1)
+                state = state.replace(memory=out.memory, tokens=tokens, keys=keys, remaining=remaining,
+                                      active=valid & ~stopped & (remaining > 0))
+                return state, (sample, valid)
+
+            state, (samples, valid) = jax.lax.scan(one, state, None, length=steps)
+            return state, DecodeOutput(samples, valid)
 
         def release(state, slot):
             return state.replace(active=state.active.at[slot].set(False))
 
-        scalars = (replicated,) * 8
+        scalars = (replicated,) * 10
+        decode_sh = DecodeOutput(out_sh, replicated)
         self.forward = jax.jit(forward, in_shardings=(self.param_shardings, None, None))
         self.new_memory = jax.jit(_new_memory, out_shardings=state_sh.memory)
-        self.prefill_memory = jax.jit(
-            prefill, in_shardings=(self.param_shardings, state_sh) + scalars,
-            out_shardings=(state_sh, out_sh), donate_argnums=1)
-        self.sample_step = jax.jit(step, in_shardings=(self.param_shardings, state_sh),
-                                   out_shardings=(state_sh, out_sh), donate_argnums=1)
+        # One jitted function per static setting (pad bucket x KV length, or KV length x steps),
+        # each with explicit shardings; made on first use, which warm-up does for every bucket.
+        self.prefill_memory = _PerStatic(lambda kv_len: jax.jit(
+            functools.partial(prefill, kv_len=kv_len), in_shardings=(self.param_shardings, state_sh) + scalars,
+            out_shardings=(state_sh, out_sh), donate_argnums=1))
+        self.sample_step = _PerStatic(lambda kv_len, steps: jax.jit(
+            functools.partial(step, kv_len=kv_len, steps=steps), in_shardings=(self.param_shardings, state_sh),
+            out_shardings=(state_sh, decode_sh), donate_argnums=1))
         self.release_slot = jax.jit(release, in_shardings=(state_sh, replicated),
                                     out_shardings=state_sh, donate_argnums=0)
         self._state_shardings = state_sh
@@ -198,4 +234,24 @@ class ModelRunner:
                 top_k=np.zeros((b,), np.int32)), sh.settings),
             keys=jax.device_put(np.zeros((b, 2), np.uint32), sh.keys),
             active=jax.device_put(np.zeros((b,), bool), sh.active),
+            remaining=jax.device_put(np.zeros((b,), np.int32), sh.remaining),
+            stop_ids=jax.device_put(np.full((b, MAX_STOP_IDS), -1, np.int32), sh.stop_ids),
         )
+
+
+class _PerStatic:
+    """Calls ``make(**statics)(*args)``, making each jitted variant once."""
+
+    def __init__(self, make):
+        self.make = make
+        self.variants = {}
+
+    def variant(self, **statics):
+        """The jitted function for these static settings (``.lower(...)`` etc. work on it)."""
+        key = tuple(sorted(statics.items()))
+        if key not in self.variants:
+            self.variants[key] = self.make(**statics)
+        return self.variants[key]
+
+    def __call__(self, *args, **statics):
+        return self.variant(**statics)(*args)

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from model.sharding import make_mesh
-from runner.engine import ModelRunner
+from runner.engine import MAX_STOP_IDS, DecodeOutput, ModelRunner
 from runner.requests import Request, TokenEvent
 from runner.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -36,21 +36,28 @@ def default_seed(request: Request) -> int:
 
 
 def default_pad_sizes(sequence_len: int, smallest: int = 16) -> tuple[int, ...]:
-    """Powers of two from ``smallest`` up to ``sequence_len`` (itself included)."""
+    """Powers of four from ``smallest`` up to ``sequence_len`` (itself included): a prompt is padded
+    by at most 4x, and there are few buckets to compile at start-up."""
     sizes, size = [], smallest
     while size < sequence_len:
         sizes.append(size)
-        size *= 2
+        size *= 4
     return tuple(sizes) + (sequence_len,)
 
 
-@dataclasses.dataclass
+def default_kv_buckets(sequence_len: int) -> tuple[int, ...]:
+    """KV lengths a decode step may attend over: powers of four from 64, and ``sequence_len``."""
+    return default_pad_sizes(sequence_len, smallest=min(64, sequence_len))
+
+
+@dataclasses.dataclass(eq=False)
 class _Slot:
     """A request occupying a batch slot."""
 
     request: Request
     prompt_ids: list[int]
     detokenizer: Optional[IncrementalDetokenizer]
+    position: int  # an upper bound on the slot's next cache position (the host lags the device)
     generated: int = 0
     finished: bool = False
 
@@ -82,6 +89,9 @@ class InferenceRunner:
     pad_sizes: Optional[Sequence[int]] = None
     batch_size: Optional[int] = None
     mesh: Optional[jax.sharding.Mesh] = None
+    # Decode steps per device call: more amortises host dispatch, fewer streams tokens sooner
+    # and lets a waiting request into a freed slot sooner.
+    decode_steps: int = 4
 
     def initialize(self, warmup: bool = True) -> None:
         mesh = self.mesh or self.runner.mesh
@@ -93,6 +103,9 @@ class InferenceRunner:
         self.mesh, self.config = self.runner.mesh, self.runner.model
         self.batch_size = self.runner.batch_size
         self.pad_sizes = self._check_pad_sizes(self.pad_sizes)
+        self.kv_buckets = default_kv_buckets(self.config.sequence_len)
+        if not isinstance(self.decode_steps, int) or self.decode_steps <= 0:
+            raise ValueError(f"decode_steps must be a positive integer, got {self.decode_steps!r}")
         path = self.tokenizer_path or self.runner.tokenizer_path
         self.tokenizer = Tokenizer(path) if path is not None else None
         if self.tokenizer is not None and self.tokenizer.vocab_size != self.config.vocab_size:
@@ -114,9 +127,15 @@ class InferenceRunner:
 
     def _warmup(self) -> None:
         """Compile every function for every bucket now, so serving never compiles."""
+        dummy = Request([1], temperature=1.0, max_len=2)
         for bucket in self.pad_sizes:
-            self.state, _ = self._prefill(0, np.ones((bucket,), np.int32), 1, True, Request([1], temperature=1.0), 0)
-        self.state, out = self.runner.sample_step(self.runner.params, self.state)
+            self.state, _ = self._prefill(0, np.ones((bucket,), np.int32), 1, True, dummy, 0, bucket)
+        if self.pad_sizes[-1] < self.config.sequence_len:  # continuation chunks of long prompts
+            self.state, _ = self._prefill(0, np.ones((self.pad_sizes[-1],), np.int32), 1, False, dummy, 0,
+                                          self.config.sequence_len)
+        for kv_len in self.kv_buckets:
+            self.state, out = self.runner.sample_step(self.runner.params, self.state, kv_len=kv_len,
+                                                      steps=self.decode_steps)
         self.state = self.runner.release_slot(self.state, np.int32(0))
         jax.block_until_ready((self.state, out))
 
@@ -140,6 +159,9 @@ class InferenceRunner:
         bad = [t for t in request.stop_token_ids if not 0 <= t < v]
         if bad:
             raise ValueError(f"Request.stop_token_ids has ids outside [0, {v}): {bad[:5]}")
+        if len(set(request.stop_token_ids) - {self.config.eos_token}) > MAX_STOP_IDS - 1:
+            raise ValueError(f"Request.stop_token_ids: at most {MAX_STOP_IDS - 1} stop tokens, "
+                             f"got {len(request.stop_token_ids)}")
         total = len(ids) + request.max_len
         if total > self.config.sequence_len:
             raise ValueError(f"Request.max_len: the prompt ({len(ids)} tokens) plus max_len "
@@ -173,11 +195,22 @@ class InferenceRunner:
         return [results[r.request_id] for r in requests]
 
     # ---- device calls ----------------------------------------------------------------------------
-    def _prefill(self, slot: int, chunk: np.ndarray, length: int, reset: bool, request: Request, seed: int):
+    def _prefill(self, slot: int, chunk: np.ndarray, length: int, reset: bool, request: Request, seed: int,
+                 kv_len: int):
+        stop = [self.config.eos_token] + sorted(set(request.stop_token_ids) - {self.config.eos_token})
+        stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stop_ids[: len(stop)] = stop
         return self.runner.prefill_memory(
             self.runner.params, self.state, np.int32(slot), chunk[None].astype(np.int32),
             np.int32(length), np.bool_(reset), np.float32(request.temperature),
-            np.float32(request.nucleus_p), np.int32(request.top_k), np.uint32(seed))
+            np.float32(request.nucleus_p), np.int32(request.top_k), np.uint32(seed),
+            np.int32(request.max_len), stop_ids, kv_len=kv_len)
+
+    def kv_bucket_for(self, length: int) -> int:
+        for size in self.kv_buckets:
+            if size >= length:
+                return size
+        return self.kv_buckets[-1]
 
     def bucket_for(self, length: int) -> int:
         for size in self.pad_sizes:
@@ -185,14 +218,17 @@ class InferenceRunner:
                 return size
         return self.pad_sizes[-1]
 
-    def prefill_chunks(self, ids: list[int]) -> list[tuple[np.ndarray, int]]:
-        """The prompt as (padded chunk, real length) pairs: largest-bucket chunks, then the rest."""
+    def prefill_chunks(self, ids: list[int]) -> list[tuple[np.ndarray, int, int]]:
+        """The prompt as (padded chunk, real length, kv_len) triples: the first chunk in the
+        smallest bucket that holds it (attending over that bucket), the rest of a long prompt in
+        largest-bucket chunks attending over the whole memory."""
         largest, chunks = self.pad_sizes[-1], []
         for start in range(0, len(ids), largest):
             part = ids[start:start + largest]
-            padded = np.zeros((self.bucket_for(len(part)),), np.int32)
+            size = self.bucket_for(len(part)) if start == 0 else largest
+            padded = np.zeros((size,), np.int32)
             padded[: len(part)] = part
-            chunks.append((padded, len(part)))
+            chunks.append((padded, len(part), size if start == 0 else self.config.sequence_len))
         return chunks
 
 
@@ -278,7 +314,11 @@ class RunStream:
         self._admit()
         active = [(i, s) for i, s in enumerate(self._slots) if s is not None and not s.finished]
         if active:
-            r.state, out = r.runner.sample_step(r.runner.params, r.state)
+            steps = r.decode_steps
+            kv_len = r.kv_bucket_for(max(s.position for _, s in active) + steps)
+            r.state, out = r.runner.sample_step(r.runner.params, r.state, kv_len=kv_len, steps=steps)
+            for _, s in active:
+                s.position += steps
             self._pending.append((out, active))
         self._read(ready)
 
@@ -289,38 +329,47 @@ class RunStream:
             index = self._slots.index(None)
             seed = request.rng_seed if request.rng_seed is not None else default_seed(request)
             out = None
-            for n, (chunk, length) in enumerate(r.prefill_chunks(ids)):
-                r.state, out = r._prefill(index, chunk, length, n == 0, request, seed)
+            for n, (chunk, length, kv_len) in enumerate(r.prefill_chunks(ids)):
+                r.state, out = r._prefill(index, chunk, length, n == 0, request, seed, kv_len)
             detok = IncrementalDetokenizer(r.tokenizer, ids) if r.tokenizer is not None else None
-            slot = _Slot(request, ids, detok)
+            slot = _Slot(request, ids, detok, position=len(ids))
             self._slots[index] = slot
             self._pending.append((out, [(0, slot)]))  # the first token is row 0 of the prefill output
 
     def _read(self, ready) -> None:
-        eos = self.runner.config.eos_token
-        for out, rows in ready:
-            host = jax.device_get(out)
-            for row, slot in rows:
-                if slot.finished:
-                    continue  # ended (or cancelled) after this step was dispatched
-                token = int(host.token_id[row])
-                slot.generated += 1
-                request = slot.request
-                reason = ("eos" if token == eos else "stop" if token in request.stop_token_ids
-                          else "length" if slot.generated >= request.max_len else None)
-                text = "" if reason in ("eos", "stop") or slot.detokenizer is None else slot.detokenizer.add(token)
-                if reason is not None:
-                    self._finish(self._slots.index(slot), slot)
-                    text += self._flush(slot)
-                top = tuple(zip(host.top_k_token_ids[row].tolist(), host.top_k_probs[row].tolist()))
-                self._events.append(TokenEvent(request, slot.generated - 1, token, text,
-                                               float(host.logprob[row]), top, reason))
+        """Turn device outputs into events: one host sync per call, after the next is dispatched."""
+        for out, rows in jax.device_get(ready):
+            if isinstance(out, DecodeOutput):
+                sample, valid = out.sample, out.valid
+            else:  # a prefill's first token: one step, row 0
+                sample = jax.tree_util.tree_map(lambda a: a[None], out)
+                valid = np.ones((1, len(rows)), bool)
+            for step in range(valid.shape[0]):
+                for row, slot in rows:
+                    if valid[step, row] and not slot.finished:
+                        self._emit(slot, sample, step, row)
 
-    def _finish(self, index: int, slot: _Slot) -> None:
+    def _emit(self, slot: _Slot, sample, step: int, row: int) -> None:
+        # The same rule ends the request on the device (engine.sample_step), so both agree.
+        token = int(sample.token_id[step, row])
+        slot.generated += 1
+        request = slot.request
+        reason = ("eos" if token == self.runner.config.eos_token else "stop" if token in request.stop_token_ids
+                  else "length" if slot.generated >= request.max_len else None)
+        text = "" if reason in ("eos", "stop") or slot.detokenizer is None else slot.detokenizer.add(token)
+        if reason is not None:
+            self._finish(self._slots.index(slot), slot, release=False)  # the device stopped it itself
+            text += self._flush(slot)
+        top = tuple(zip(sample.top_k_token_ids[step, row].tolist(), sample.top_k_probs[step, row].tolist()))
+        self._events.append(TokenEvent(request, slot.generated - 1, token, text,
+                                       float(sample.logprob[step, row]), top, reason))
+
+    def _finish(self, index: int, slot: _Slot, release: bool = True) -> None:
         slot.finished = True
         self._slots[index] = None
-        r = self.runner
-        r.state = r.runner.release_slot(r.state, np.int32(index))
+        if release:
+            r = self.runner
+            r.state = r.runner.release_slot(r.state, np.int32(index))
 
     @staticmethod
     def _flush(slot: _Slot) -> str:

@@ -65,7 +65,11 @@ def filter_logits(logits_BV, settings: SampleSettings):
 def sample_token(logits_BV, settings: SampleSettings, keys_B2) -> SampleOutput:
     """One token per row; ``keys_B2`` are the rows' own PRNG keys for this draw."""
     logits_BV = logits_BV.astype(jnp.float32)
-    filtered_BV = filter_logits(logits_BV, settings)
+    # The sort behind top-k/top-p costs more than the rest of sampling: skip it when no row asks.
+    filtered_BV = jax.lax.cond(
+        jnp.any((settings.top_k > 0) | (settings.nucleus_p < 1)),
+        lambda: filter_logits(logits_BV, settings),
+        lambda: logits_BV / jnp.maximum(settings.temperature, _MIN_TEMPERATURE)[:, None])
     sampled_B = jax.vmap(jax.random.categorical)(keys_B2, filtered_BV)
     greedy_B = jnp.argmax(logits_BV, axis=-1)
     token_B = jnp.where(settings.temperature <= 0, greedy_B, sampled_B).astype(jnp.int32)

@@ -144,7 +144,7 @@ def slow_moe(x_MD, probs_ME, params, top):
     return out
 
 
-@pytest.mark.parametrize("impl", ["dense", "gather", "auto"])
+@pytest.mark.parametrize("impl", ["dense", "switch", "auto"])
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("experts, top", [(4, 2), (1, 1), (3, 3)])
 def test_moe_equals_per_token_loop(impl, quantized, experts, top):

@@ -63,7 +63,7 @@ def test_each_layer_matches_fp32_intermediates(reference_dir, ref_params):
         h = saved[f"L{i}_h_out"]  # teacher forcing: the next layer gets the reference's output
 
 
-@pytest.mark.parametrize("moe_impl", ["dense", "gather"])
+@pytest.mark.parametrize("moe_impl", ["dense", "auto"])
 def test_full_forward_matches_fp32_logits(reference_dir, ref_params, moe_impl):
     tokens = np.load(reference_dir / "tokens_full.npy")
     want = np.load(reference_dir / "logits_full_fprop32.npy")

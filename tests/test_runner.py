@@ -232,11 +232,16 @@ def test_the_four_functions_are_usable_on_their_own(runner, params):
     state = engine.new_state()
     padded = np.zeros((1, 8), np.int32)
     padded[0] = tokens[0]
+    stop_ids = np.full((8,), -1, np.int32)
     state, first = engine.prefill_memory(engine.params, state, np.int32(2), padded, np.int32(8), np.bool_(True),
-                                         np.float32(0), np.float32(1), np.int32(0), np.uint32(0))
+                                         np.float32(0), np.float32(1), np.int32(0), np.uint32(0),
+                                         np.int32(3), stop_ids, kv_len=8)
     assert int(first.token_id[0]) == int(np.asarray(logits)[0, -1].argmax())
-    state, out = engine.sample_step(engine.params, state)
-    assert int(state.memory.step[2]) == 9 and int(state.memory.step[0]) == 0
+    state, out = engine.sample_step(engine.params, state, kv_len=64, steps=4)
+    # max_len 3: the first token came from prefill, two more from decode, then the slot stops itself
+    np.testing.assert_array_equal(np.asarray(out.valid)[:, 2], [True, True, False, False])
+    assert not np.asarray(out.valid)[:, [0, 1, 3]].any()
+    assert int(state.memory.step[2]) == 10 and int(state.memory.step[0]) == 0
 
 
 def test_pad_sizes_and_batch_validation(params):
@@ -251,8 +256,8 @@ def test_pad_sizes_and_batch_validation(params):
 def test_default_pad_sizes():
     from runner import default_pad_sizes
 
-    assert default_pad_sizes(64) == (16, 32, 64)
-    assert default_pad_sizes(8192)[-1] == 8192 and default_pad_sizes(100) == (16, 32, 64, 100)
+    assert default_pad_sizes(64) == (16, 64)
+    assert default_pad_sizes(8192) == (16, 64, 256, 1024, 4096, 8192) and default_pad_sizes(100) == (16, 64, 100)
 
 
 def test_tokenizer_vocabulary_mismatch_is_an_error(params, test_tokenizer):
