@@ -15,10 +15,6 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURE = os.path.join(HERE, "..", "shared", "data", "grok1_reference", "ckpt")
-# "The answer to life the universe and everything is of course" in the Grok-1 tokenizer (GROK1.md §10)
-FIXTURE_PROMPT_IDS = "422,3033,356,1180,333,9072,360,2175,391,359,1805"
 DEFAULT_PROMPT = "It is a truth universally acknowledged, that"
 
 
@@ -29,7 +25,8 @@ def parse_args(argv):
     p.add_argument("--config", help="config for an original-layout checkpoint: a preset name "
                    "(grok-1, grok-1-reference-tiny, tiny) or a JSON file")
     p.add_argument("--tokenizer", help="SentencePiece model (default: the checkpoint's tokenizer.model)")
-    p.add_argument("--prompt", help="prompt text; without it, prompts are read from stdin, one per line")
+    p.add_argument("--prompt", help="prompt text; without it, prompts are read from piped stdin, one per "
+                   f"line, else the default {DEFAULT_PROMPT!r}")
     p.add_argument("--prompt-ids", help="prompt as comma-separated token ids (no tokenizer needed)")
     p.add_argument("--max-tokens", type=int, default=100, help="tokens to generate per prompt (default 100)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; higher = more random (default 0.8)")
@@ -129,13 +126,8 @@ def main(argv=None) -> int:
     checkpoint, config, prompt_ids = args.checkpoint, args.config, args.prompt_ids
     if checkpoint is None:
         checkpoint = default_checkpoint()
-        if checkpoint is None and os.path.isdir(FIXTURE):
-            print("note: no default model is shipped yet; running the Grok-1 reference fixture "
-                  "(random weights: it repeats a token)", file=sys.stderr)
-            checkpoint, config = FIXTURE, config or "grok-1-reference-tiny"
-            prompt_ids = prompt_ids or FIXTURE_PROMPT_IDS
-        elif checkpoint is None:
-            parser.error("no default model is shipped in checkpoints/ yet: pass --checkpoint DIR")
+        if checkpoint is None:
+            parser.error("the default model checkpoints/austen-moe/ is missing: pass --checkpoint DIR")
     if not os.path.isdir(checkpoint):
         parser.error(f"--checkpoint {checkpoint!r} is not a directory")
     mesh = int_list(parser, "--mesh", args.mesh) if args.mesh else [1, 1]
@@ -147,10 +139,10 @@ def main(argv=None) -> int:
         prompts = [int_list(parser, "--prompt-ids", prompt_ids)]
     elif args.prompt is not None:
         prompts = [args.prompt]
-    elif sys.stdin is not None and not sys.stdin.isatty():
-        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
     else:
-        prompts = [DEFAULT_PROMPT]
+        piped = sys.stdin is not None and not sys.stdin.isatty()
+        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()] if piped else []
+        prompts = prompts or [DEFAULT_PROMPT]  # nothing piped in: the default prompt
     try:
         requests = [Request(p, temperature=args.temperature, nucleus_p=args.top_p, top_k=args.top_k,
                             rng_seed=args.seed + i, max_len=args.max_tokens) for i, p in enumerate(prompts)]

@@ -391,8 +391,11 @@ def sample_from_model(server: RunStream, prompt, max_len: int, temperature: floa
                 return "".join(pieces)
 
 
+DEFAULT_MODEL = "austen-moe"  # checkpoints/austen-moe: the small trained model the project ships
+
+
 def default_checkpoint() -> Optional[str]:
     """The shipped default model's directory, if it exists."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.path.join(here, "checkpoints", "default")
+    path = os.path.join(here, "checkpoints", DEFAULT_MODEL)
     return path if os.path.exists(os.path.join(path, "config.json")) else None

@@ -1,0 +1,208 @@
+"""Serving benchmark: TTFT, TPOT, output tokens/s, compile and startup time, peak memory, for
+batch sizes x prompt lengths; beside, in the same run, the machine's own limits (memory bandwidth,
+matmul FLOP/s), the roofline of every configuration, and generation without a KV cache.
+
+    python -m bench [--quick] [--out bench/results.json]
+
+Results are printed as markdown tables and written as JSON. Wall-clock figures are medians over
+``--repeats`` runs. Never run by the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model import TINY, init_params
+from runner import InferenceRunner, ModelRunner, Request
+
+# About 290M parameters in all, 89M active per token (2 of 8 experts): the issue's benchmark config.
+BENCH = dataclasses.replace(
+    TINY, vocab_size=32768, emb_size=512, key_size=64, num_q_heads=8, num_kv_heads=2, num_layers=8,
+    widening_factor=8, num_experts=8, num_selected_experts=2, sequence_len=2048,
+    embedding_multiplier_scale=512 ** 0.5, attn_output_multiplier=64 ** -0.5, fprop_dtype="float32")
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ---- the machine's limits --------------------------------------------------------------------
+def machine_limits(repeats: int) -> dict:
+    n = 64 << 20  # 256 MB of float32, far beyond the caches
+    x = jnp.ones((n,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    seconds = median_time(lambda: copy(x).block_until_ready(), repeats)
+    bandwidth = 2 * n * 4 / seconds  # read + write
+    a = jnp.ones((2048, 2048), jnp.float32)
+    mm = jax.jit(lambda p, q: p @ q)
+    seconds = median_time(lambda: mm(a, a).block_until_ready(), repeats)
+    flops = 2 * 2048**3 / seconds
+    # low precision on this backend: matrix-vector products, bytes of weight per second
+    rows = {}
+    w32 = jax.random.normal(jax.random.PRNGKey(0), (4096, 4096), jnp.float32)
+    v = jnp.ones((1, 4096), jnp.float32)
+    for name, w, f in [
+        ("float32", w32, lambda w, v: v @ w),
+        ("bfloat16", w32.astype(jnp.bfloat16), lambda w, v: v.astype(jnp.bfloat16) @ w),
+        ("int8 (dequantised in the matmul)", jnp.clip(w32 * 20, -127, 127).astype(jnp.int8),
+         lambda w, v: v @ w.astype(jnp.float32)),
+    ]:
+        fn = jax.jit(f)
+        seconds = median_time(lambda: fn(w, v).block_until_ready(), repeats)
+        rows[name] = w.nbytes / seconds
+    return {"bandwidth": bandwidth, "matmul_flops": flops, "matvec_bytes_per_s": rows}
+
+
+# ---- roofline ------------------------------------------------------------------------------
+def expected_experts(batch: int, config) -> float:
+    """Distinct experts a batch of tokens touches per layer, on average (uniform routing)."""
+    e, k = config.num_experts, config.num_selected_experts
+    return e * (1 - (1 - k / e) ** batch)
+
+
+def decode_roofline(config, batch: int, context: int, limits: dict) -> dict:
+    """Lower bounds of one decode step: bytes it must read over bandwidth, FLOPs over peak."""
+    counts = config.param_counts()
+    per_expert = counts["moe"] / config.num_experts
+    weights = (counts["embedding"] + counts["attention"] + counts["router"] + counts["norms"]
+               + per_expert * expected_experts(batch, config)) * 4
+    kv = batch * context * config.kv_bytes_per_token("float32")
+    flops = batch * (2 * config.num_active_params + 4 * config.num_layers * context * config.emb_size)
+    bytes_time = (weights + kv) / limits["bandwidth"]
+    flops_time = flops / limits["matmul_flops"]
+    return {"weight_bytes": weights, "kv_bytes": kv, "flops": flops, "seconds": max(bytes_time, flops_time),
+            "bound": "memory" if bytes_time >= flops_time else "compute"}
+
+
+# ---- serving ---------------------------------------------------------------------------------
+def serve(runner: InferenceRunner, batch: int, prompt_len: int, new_tokens: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    requests = [Request(rng.integers(4, runner.config.vocab_size, prompt_len).tolist(), temperature=0.0,
+                        max_len=new_tokens, stop_token_ids=()) for _ in range(batch)]
+    submitted = time.perf_counter()
+    first, last, count = {}, {}, 0
+    for event in runner.run(requests):
+        now = time.perf_counter()
+        first.setdefault(event.request_id, now)
+        last[event.request_id] = now
+        count += event.token_id is not None
+    end = time.perf_counter()
+    decode_start = max(first.values())
+    ttft = [first[r.request_id] - submitted for r in requests]
+    tpot = [(last[r.request_id] - first[r.request_id]) / max(new_tokens - 1, 1) for r in requests]
+    return {"ttft": statistics.median(ttft), "tpot": statistics.median(tpot),
+            "output_tokens_per_s": count / (end - submitted),
+            "decode_tokens_per_s": batch * (new_tokens - 1) / max(end - decode_start, 1e-9)}
+
+
+def no_cache_generation(params, config, prompt_len: int, new_tokens: int) -> list[tuple[int, float]]:
+    """Generation with a full forward pass per token (no KV cache): seconds per token by length."""
+    fwd = jax.jit(lambda p, t: init_forward(p, t, config))
+    out = []
+    for length in (prompt_len, prompt_len + new_tokens // 2, prompt_len + new_tokens):
+        tokens = jnp.ones((1, length), jnp.int32)
+        out.append((length, median_time(lambda: fwd(params, tokens).block_until_ready(), 3)))
+    return out
+
+
+def init_forward(params, tokens, config):
+    from model import forward
+
+    return forward(params, tokens, config).logits[:, -1]
+
+
+def startup_of_default() -> float | None:
+    """Seconds from command start to the first token of `python run.py` (shipped default)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isdir(os.path.join(here, "checkpoints", "austen-moe")):
+        return None
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "run.py", "--max-tokens", "8", "--prompt", "It is"], cwd=here,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=600)
+    total = time.perf_counter() - start
+    for line in err.splitlines():
+        if line.startswith("time to first token"):
+            return float(line.split()[4])
+    return total
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="batch {1, 8}, prompt 128, fewer tokens")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--decode-steps", type=int, default=4)
+    parser.add_argument("--out", default="bench/results.json")
+    args = parser.parse_args(argv)
+    batches, prompts = ((1, 8), (128,)) if args.quick else ((1, 8, 32), (128, 1024))
+    new_tokens = 16 if args.quick else args.new_tokens
+
+    limits = machine_limits(args.repeats)
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} "
+          f"{jax.devices()[0].platform}; bandwidth {limits['bandwidth'] / 1e9:.1f} GB/s, "
+          f"fp32 matmul {limits['matmul_flops'] / 1e9:.0f} GFLOP/s")
+    for name, rate in limits["matvec_bytes_per_s"].items():
+        print(f"  matrix-vector product, {name}: {rate / 1e9:.2f} GB/s of weights")
+
+    params = init_params(BENCH, jax.random.PRNGKey(0))
+    results = {"config": dataclasses.asdict(BENCH), "limits": limits, "rows": []}
+    print(f"\nconfig: {BENCH.num_params / 1e6:.0f}M parameters, {BENCH.num_active_params / 1e6:.0f}M active, fp32")
+    print("| batch | prompt | TTFT s | TPOT ms | decode tok/s | roofline tok/s | of roofline | compile s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch in batches:
+        start = time.perf_counter()
+        runner = InferenceRunner(runner=ModelRunner(model=BENCH, params=params), batch_size=batch,
+                                 pad_sizes=prompts, decode_steps=args.decode_steps)
+        runner.initialize()
+        compile_s = time.perf_counter() - start
+        for prompt_len in prompts:
+            runs = [serve(runner, batch, prompt_len, new_tokens, seed) for seed in range(args.repeats)]
+            row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            roof = decode_roofline(BENCH, batch, prompt_len + new_tokens // 2, limits)
+            roof_rate = batch / roof["seconds"]
+            row.update(batch=batch, prompt=prompt_len, compile_s=compile_s, roofline=roof,
+                       roofline_tokens_per_s=roof_rate, fraction=row["decode_tokens_per_s"] / roof_rate)
+            results["rows"].append(row)
+            print(f"| {batch} | {prompt_len} | {row['ttft']:.2f} | {row['tpot'] * 1e3:.1f} | "
+                  f"{row['decode_tokens_per_s']:.1f} | {roof_rate:.1f} ({roof['bound']}) | "
+                  f"{row['fraction']:.0%} | {compile_s:.1f} |")
+
+    nocache = no_cache_generation(params, BENCH, 128, 64 if not args.quick else 16)
+    cached = next(r for r in results["rows"] if r["batch"] == 1)
+    results["no_cache"] = nocache
+    print("\nwithout a KV cache (batch 1, a full forward per token):")
+    for length, seconds in nocache:
+        print(f"  context {length}: {seconds * 1e3:.1f} ms/token vs {cached['tpot'] * 1e3:.1f} ms/token cached "
+              f"({seconds / cached['tpot']:.1f}x)")
+    startup = startup_of_default()
+    results["startup_default_s"] = startup
+    print(f"\nstartup of the shipped default to first token: {startup if startup is None else round(startup, 2)} s")
+    results["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"peak memory of this benchmark process: {results['peak_rss_bytes'] / 2**30:.2f} GiB")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1, default=float)
+
+
+if __name__ == "__main__":
+    main()

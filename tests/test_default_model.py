@@ -1,0 +1,70 @@
+"""The shipped default model (checkpoints/austen-moe): its card's figures, its tokenizer, its text."""
+
+import json
+import os
+
+import pytest
+
+from tests.helpers import REPO, SHARED_DATA
+
+DEFAULT = REPO / "checkpoints" / "austen-moe"
+
+
+@pytest.fixture(scope="module")
+def metrics():
+    if not (DEFAULT / "config.json").is_file():
+        pytest.fail(f"the default model is missing from {DEFAULT}")
+    return json.loads((DEFAULT / "metrics.json").read_text())
+
+
+def test_heldout_loss_matches_the_model_card(metrics):
+    if not (SHARED_DATA / "austen.txt").is_file():
+        pytest.skip("../shared/data/austen.txt is needed to rebuild the held-out set")
+    from train.evaluate import heldout_loss
+
+    loss = heldout_loss(str(DEFAULT), max_windows=metrics["heldout_subset_windows"])
+    assert abs(loss - metrics["heldout_loss_subset"]) / metrics["heldout_loss_subset"] < 0.01
+    assert loss < 0.6 * metrics["uniform_loss"]  # far below guessing uniformly over the vocabulary
+
+
+def test_tokenizer_vocabulary_equals_the_config():
+    from checkpoints.native import open_native
+    from runner import Tokenizer
+
+    config, _, tokenizer = open_native(str(DEFAULT))
+    assert tokenizer is not None and Tokenizer(tokenizer).vocab_size == config.vocab_size
+    assert os.path.getsize(DEFAULT / "tokenizer.model") > 0
+
+
+def test_size_is_within_25_mb():
+    total = sum(f.stat().st_size for f in DEFAULT.iterdir() if f.is_file())
+    assert total <= 25 * 2**20
+
+
+@pytest.fixture(scope="module")
+def default_runner():
+    from runner import InferenceRunner, ModelRunner
+
+    runner = InferenceRunner(runner=ModelRunner(checkpoint_path=str(DEFAULT)), batch_size=1)
+    runner.initialize()
+    return runner
+
+
+def test_greedy_generation_is_not_degenerate(default_runner):
+    done = default_runner.generate(["It is a truth universally acknowledged, that"], temperature=0.0,
+                                   max_len=40)[0]
+    assert len(set(done.token_ids)) >= 10  # not one token repeated
+    words = done.text.split()
+    assert len(words) >= 15 and max(words.count(w) for w in set(words)) < len(words) / 3
+
+
+def test_run_py_uses_the_default_model(capsys):
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    import run
+
+    assert run.main(["--prompt", "Mr. Darcy", "--max-tokens", "12", "--seed", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Mr. Darcy") and len(out.split()) > 4
+    assert "time to first token" in err and "compilations" in err
