@@ -1,7 +1,7 @@
 """Read Grok-1's pickled tensors without unpickling: a tiny interpreter of the pickle opcodes.
 
 A released Grok-1 checkpoint file is a protocol-4 pickle of a numpy array or of a
-``QuantizedWeight8bit`` holding two arrays. ``pickle.load`` on it would import and call whatever the
+``QuantizedWeight8bit`` holding two arrays. Unpickling it would import and call whatever the
 file names, so any checkpoint could run code on the machine. Here the opcode stream is interpreted
 symbolically: the only globals a file may name are numpy's array reconstructor, ``numpy.ndarray``,
 ``numpy.dtype``, ``ml_dtypes.bfloat16`` and ``QuantizedWeight8bit``, and nothing is ever called;
