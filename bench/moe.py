@@ -12,7 +12,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 
 from model import TINY
 from model.layers import MoELayer

@@ -28,7 +28,6 @@ import numpy as np
 from checkpoints.lazy import LazyQuantized, LazyTensor
 from checkpoints.safe_pickle import CheckpointError
 from model.config import ModelConfig
-from model.quant import QuantizedWeight8bit
 from model.sharding import path_str
 
 FORMAT = "grok1-jax-runner/1"

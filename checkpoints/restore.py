@@ -51,10 +51,10 @@ def _is_float(dtype) -> bool:
 
 def abstract_params(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Declared shape of every parameter path of ``config``."""
-    from model.transformer import init_params
+    from model.plan import abstract_params as shapes_of
 
-    shapes = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
-    return {path_str(path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+    flat = jax.tree_util.tree_flatten_with_path(shapes_of(config))[0]
+    return {path_str(path): tuple(leaf.shape) for path, leaf in flat}
 
 
 def check_sources(sources: dict, config: ModelConfig) -> None:

@@ -45,6 +45,11 @@ def default_pad_sizes(sequence_len: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(sizes) + (sequence_len,)
 
 
+def _smallest_at_least(sizes: tuple[int, ...], n: int) -> int:
+    """The smallest of the sorted ``sizes`` that is >= ``n``, else the largest."""
+    return next((size for size in sizes if size >= n), sizes[-1])
+
+
 def default_kv_buckets(sequence_len: int) -> tuple[int, ...]:
     """KV lengths a decode step may attend over: powers of four from 64, and ``sequence_len``."""
     return default_pad_sizes(sequence_len, smallest=min(64, sequence_len))
@@ -207,16 +212,10 @@ class InferenceRunner:
             np.int32(request.max_len), stop_ids, kv_len=kv_len)
 
     def kv_bucket_for(self, length: int) -> int:
-        for size in self.kv_buckets:
-            if size >= length:
-                return size
-        return self.kv_buckets[-1]
+        return _smallest_at_least(self.kv_buckets, length)
 
     def bucket_for(self, length: int) -> int:
-        for size in self.pad_sizes:
-            if size >= length:
-                return size
-        return self.pad_sizes[-1]
+        return _smallest_at_least(self.pad_sizes, length)
 
     def prefill_chunks(self, ids: list[int]) -> list[tuple[np.ndarray, int, int]]:
         """The prompt as (padded chunk, real length, kv_len) triples: the first chunk in the
@@ -299,7 +298,7 @@ class RunStream:
         while self._source is not None and len(self._queue) < free:
             request = next(self._source, None)
             if request is None:
-                self._source = iter(()) if self._source is not None else None
+                self._source = iter(())
                 return
             self.submit(request)
 

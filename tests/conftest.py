@@ -8,7 +8,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from tests.helpers import REFERENCE, SHARED_DATA, lively  # noqa: E402,F401
+from tests.helpers import REFERENCE  # noqa: E402
 
 
 def pytest_configure(config):
