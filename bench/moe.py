@@ -1,7 +1,12 @@
-"""MoE strategy benchmark: every expert on every token ("dense") vs the selected experts' weights
-gathered per token ("gather"), by token count; medians of repeated jitted calls.
+"""MoE strategy benchmark, by token count: every expert on every token ("dense") vs each expert on
+its own tokens only ("grouped"), with the expert weights stacked ``[E, K, N]`` (as stored) or
+split into one buffer per expert (the runner's CPU layout, model/experts.py).
 
-    python -m bench.moe [--emb 512] [--experts 8] [--top 2] [--repeats 20]
+    python -m bench.moe [--emb 512] [--experts 8] [--top 2] [--layers 8] [--repeats 10]
+
+A call runs ``--layers`` MoE layers in sequence, each with its own weights, so that, as in a real
+decode step, the weights come from memory and not from the last call's cache. Reported: median ms
+per layer, and the weight bytes the tokens' routing needs (the distinct experts hit) per second.
 """
 
 from __future__ import annotations
@@ -12,9 +17,14 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from model import TINY
+from model.experts import split_experts
 from model.layers import MoELayer
+
+VARIANTS = (("dense", False), ("grouped", False), ("dense", True), ("grouped", True))
 
 
 def median_seconds(fn, *args, repeats: int) -> float:
@@ -32,29 +42,38 @@ def main(argv=None):
     parser.add_argument("--emb", type=int, default=512)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--tokens", default="1,2,3,4,8,16,64,256")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,128")
     args = parser.parse_args(argv)
     config = dataclasses.replace(TINY, emb_size=args.emb, widening_factor=8, num_experts=args.experts,
                                  num_selected_experts=args.top)
-    print(f"emb {config.emb_size}, ffn {config.ffn_size}, experts {config.num_experts} top "
-          f"{config.num_selected_experts}, fp32, {jax.devices()[0].platform}")
-    impls = ("dense", "switch")
-    print("| tokens | " + " | ".join(f"{i} ms" for i in impls) + " | best |")
-    print("|---:|" + "---:|" * (len(impls) + 1))
+    e, k = config.num_experts, config.num_selected_experts
+    expert_bytes = 3 * config.emb_size * config.ffn_size * 4
+    print(f"emb {config.emb_size}, ffn {config.ffn_size}, experts {e} top {k}, {args.layers} layers, fp32, "
+          f"{jax.devices()[0].platform}; ms per layer (GB/s of the routed experts' weights)")
+    names = [f"{impl}, {'split' if split else 'stacked'}" for impl, split in VARIANTS]
+    print("| tokens | experts hit | " + " | ".join(names) + " | best |")
+    print("|---:|---:|" + "---:|" * (len(names) + 1))
+    layer_params = [MoELayer(config, "dense").init(jax.random.PRNGKey(i), jnp.zeros((1, 1, config.emb_size)),
+                                                   jnp.ones((1, 1, e)) / e)["params"] for i in range(args.layers)]
+    split_params = [split_experts({"moe": p})["moe"] for p in layer_params]
     for m in (int(t) for t in args.tokens.split(",")):
         x = jax.random.normal(jax.random.PRNGKey(0), (m, 1, config.emb_size))
-        probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(1), (m, 1, config.num_experts)))
-        params = MoELayer(config, "dense").init(jax.random.PRNGKey(2), x, probs)["params"]
+        probs = [jax.nn.softmax(3 * jax.random.normal(jax.random.PRNGKey(100 + i), (m, 1, e)))
+                 for i in range(args.layers)]
+        hit = np.mean([len(np.unique(np.argsort(-np.asarray(p).reshape(m, e), axis=1)[:, :k])) for p in probs])
         row = []
-        for impl in impls:
-            if impl == "switch" and m * config.num_selected_experts > 16:
-                row.append(float("nan"))  # unrolled per (token, slot): only for small batches
-                continue
-            fn = jax.jit(lambda p, x, pr, impl=impl: MoELayer(config, impl).apply({"params": p}, x, pr))
-            row.append(median_seconds(fn, params, x, probs, repeats=args.repeats) * 1e3)
-        best = impls[min(range(len(impls)), key=lambda i: row[i] if row[i] == row[i] else float("inf"))]
-        print(f"| {m} | " + " | ".join(f"{v:.3f}" for v in row) + f" | {best} |")
+        for impl, split in VARIANTS:
+            def run(params, x, probs, impl=impl):
+                for p, pr in zip(params, probs):  # the residual stream carries through the layers
+                    x = x + MoELayer(config, impl).apply({"params": p}, x, pr)
+                return x
+            params = split_params if split else layer_params
+            row.append(median_seconds(jax.jit(run), params, x, probs, repeats=args.repeats) / args.layers)
+        best = names[int(np.argmin(row))]
+        print(f"| {m} | {hit:.1f} | " + " | ".join(f"{s * 1e3:.2f} ({hit * expert_bytes / s / 1e9:.1f})" for s in row)
+              + f" | {best} |")
 
 
 if __name__ == "__main__":

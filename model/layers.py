@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
+from model.experts import ExpertWeights, expert
 from model.quant import dequantize
 from model.sharding import constrain
 
@@ -22,7 +23,6 @@ RESIDUAL = ("batch", "seq", "act_embed")
 CACHE = ("batch", "cache_sequence", "cache_kv_heads", "head_dim")
 
 _MASKED = -1e30  # Grok-1: masked attention logits are set to -1e30
-_MAX_SWITCH_ROWS = 32  # XLA:CPU compiles hundreds of unrolled switches slowly (and has crashed)
 
 
 def _fan_in_normal(fan_in_axes: tuple[int, ...]):
@@ -36,13 +36,21 @@ def _fan_in_normal(fan_in_axes: tuple[int, ...]):
 
 
 class Weight(nn.Module):
-    """One weight ``w`` (float or int8), like a bias-free Haiku ``Linear`` without the matmul."""
+    """One weight ``w`` (float, int8, or an MoE weight split per expert), like a bias-free Haiku
+    ``Linear`` without the matmul."""
 
     shape: tuple[int, ...]
     fan_in_axes: tuple[int, ...] = (-2,)
 
     @nn.compact
     def __call__(self):
+        if self.has_variable("params", "w"):
+            w = self.get_variable("params", "w")
+            if isinstance(w, ExpertWeights):  # Flax's own shape check compares stacked leaves only
+                if w.shape != tuple(self.shape):
+                    raise ValueError(f"{self.scope.path_text}/w: split expert weights have shape "
+                                     f"{w.shape}, the config needs {tuple(self.shape)}")
+                return w
         return self.param("w", _fan_in_normal(self.fan_in_axes), self.shape, jnp.float32)
 
 
@@ -137,10 +145,18 @@ def _batched(x, w):
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (w.ndim - 2,)), ((0,), (0,))))
 
 
-def _geglu(x_E_D, w_gate, w_up, w_down):
-    """GeGLU experts batched over E: down(gelu_tanh(x W_gate) * (x W_up))."""
-    hidden = jax.nn.gelu(_batched(x_E_D, w_gate), approximate=True) * _batched(x_E_D, w_up)
-    return _batched(hidden, w_down)
+def _geglu(x, w_gate, w_up, w_down, dot=jnp.matmul):
+    """GeGLU expert(s): down(gelu_tanh(x W_gate) * (x W_up))."""
+    hidden = jax.nn.gelu(dot(x, w_gate), approximate=True) * dot(x, w_up)
+    return dot(hidden, w_down)
+
+
+def group_size(tokens: int, config: ModelConfig) -> int:
+    """Rows per expert matmul in the ``grouped`` MoE: about twice an expert's expected share of
+    the ``tokens x k`` rows (at least 8, at most ``tokens``), so that nearly every expert is done
+    in one matmul that reads its weights once; the rare fuller expert loops."""
+    expected = tokens * config.num_selected_experts / config.num_experts
+    return min(tokens, max(8, -(-int(2 * expected) // 8) * 8))
 
 
 class MoELayer(nn.Module):
@@ -151,13 +167,17 @@ class MoELayer(nn.Module):
     probabilities as gates. Two ways to compute it, equal up to float rounding:
 
     - ``"dense"``: every expert on every token, then a gate-weighted combine (the reference's
-      choice): reads each expert's weights once, E/k times the FLOPs. Best once most experts are hit.
-    - ``"switch"``: one expert application per (token, slot) row, the expert chosen at run time by
-      ``lax.switch``: only the selected experts' weights are read. Best at small token counts
-      (decode), where the weights, not the FLOPs, cost the time.
+      choice): reads each expert's weights once and does E/k times the FLOPs. Differentiable
+      (training uses it).
+    - ``"grouped"``: for each expert, only the tokens routed to it, gathered into matmuls of
+      ``group_size`` rows (a loop on device while more remain); an expert no token selected is
+      skipped, its weights never read. The needed FLOPs up to padding, and at decode only the
+      selected experts' bytes. Inference only (the loop has no reverse-mode gradient).
 
-    ``"auto"`` picks ``switch`` while tokens x k is at most ``num_experts``, else ``dense``;
-    BENCHMARKS.md has the measurement behind the threshold.
+    ``"auto"`` picks ``grouped`` when the weights are split per expert (``ExpertWeights``: the
+    runner's CPU layout) or for a single token; else ``dense``, which reads stacked weights in
+    place (XLA:CPU copies a stacked expert it slices out). ``python -m bench.moe`` measures all
+    four combinations (BENCHMARKS.md).
     """
 
     config: ModelConfig
@@ -174,36 +194,67 @@ class MoELayer(nn.Module):
         w_down = Weight((e, f, d), name="linear_1")()
 
         gates_BTk, idx_BTk = jax.lax.top_k(probs_BTE, top)
-        # Grok-1: the gates are cast to bf16 before weighting the experts, in every fprop dtype.
-        gates_BTk = gates_BTk.astype(dtype)
+        # Grok-1 casts the gates to bf16; here they take the activation dtype (equal in bf16 mode,
+        # and exact in fp32: the reference's own fp32 h_out is closer this way, see README).
+        gates_Mk = gates_BTk.astype(dtype).reshape(b * t, top)
+        idx_Mk = idx_BTk.reshape(b * t, top)
         x_MD = x_BTD.reshape(b * t, d)
+        split = isinstance(w_gate, ExpertWeights)
 
         impl = self.impl
         if impl == "auto":
-            impl = "switch" if b * t * top <= e else "dense"
-        if impl == "switch":
-            if b * t * top > _MAX_SWITCH_ROWS:
-                raise ValueError(f"MoELayer impl 'switch' unrolls one switch per (token, slot) row and is "
-                                 f"meant for decode: {b * t * top} rows is more than {_MAX_SWITCH_ROWS}")
-
-            def expert(i, x_D):
-                pick = lambda w: dequantize(jax.tree_util.tree_map(lambda a: a[i:i + 1], w), dtype)  # noqa: E731
-                return _geglu(x_D[None, None], pick(w_gate), pick(w_up), pick(w_down))[0, 0]
-
-            branches = [functools.partial(expert, i) for i in range(e)]
-            idx_R = idx_BTk.reshape(-1)  # R = (token, slot) rows
-            y_RD = jnp.stack([jax.lax.switch(idx_R[r], branches, x_MD[r // top]) for r in range(b * t * top)])
-            out_BTD = jnp.sum(gates_BTk[..., None] * y_RD.reshape(b, t, top, d), axis=2)
+            impl = "grouped" if split or b * t == 1 else "dense"
+        if impl == "grouped":
+            out_MD = _grouped_moe(x_MD, gates_Mk, idx_Mk, (w_gate, w_up, w_down), e,
+                                  group_size(b * t, c), dtype)
         elif impl == "dense":
-            x_EMD = jnp.broadcast_to(x_MD, (e, b * t, d))
-            y_EMD = _geglu(x_EMD, dequantize(w_gate, dtype), dequantize(w_up, dtype), dequantize(w_down, dtype))
             # combine[m, e] = gate of expert e for token m (0 where not selected)
-            combine_MkE = jax.nn.one_hot(idx_BTk.reshape(-1, top), e, dtype=dtype)
-            combine_ME = jnp.einsum("Mk,MkE->ME", gates_BTk.reshape(-1, top), combine_MkE)
-            out_BTD = jnp.einsum("ME,EMD->MD", combine_ME, y_EMD).reshape(b, t, d)
+            combine_ME = jnp.einsum("Mk,MkE->ME", gates_Mk, jax.nn.one_hot(idx_Mk, e, dtype=dtype))
+            if split:  # one plain matmul per expert buffer
+                y_EMD = jnp.stack([_geglu(x_MD, *(dequantize(expert(w, i), dtype) for w in (w_gate, w_up, w_down)))
+                                   for i in range(e)])
+            else:
+                x_EMD = jnp.broadcast_to(x_MD, (e, b * t, d))
+                y_EMD = _geglu(x_EMD, *(dequantize(w, dtype) for w in (w_gate, w_up, w_down)), dot=_batched)
+            out_MD = jnp.einsum("ME,EMD->MD", combine_ME, y_EMD)
         else:
-            raise ValueError(f"MoELayer.impl must be 'auto', 'switch' or 'dense', got {self.impl!r}")
-        return out_BTD.astype(dtype)
+            raise ValueError(f"MoELayer.impl must be 'auto', 'grouped' or 'dense', got {self.impl!r}")
+        return out_MD.reshape(b, t, d).astype(dtype)
+
+
+def _grouped_moe(x_MD, gates_Mk, idx_Mk, weights, num_experts: int, rows: int, dtype):
+    """``sum_j gate_j * expert_{idx_j}(x)`` computing each expert on its own tokens only.
+
+    Per expert (a static loop): its tokens are listed first by a stable sort, then taken ``rows``
+    at a time into one matmul each: the first group under a ``cond`` (skipped when no token chose
+    the expert), the rest, if any, in a ``fori_loop`` with a data-dependent trip count. Padding rows of the last group
+    add exactly zero. Each token's result depends on its own row only.
+    """
+    m, d = x_MD.shape
+    groups = -(-m // rows)
+    out_MD = jnp.zeros((m, d), jnp.float32)
+    for i in range(num_experts):
+        hit_Mk = idx_Mk == i
+        gate_M = jnp.sum(jnp.where(hit_Mk, gates_Mk, 0), axis=1)
+        chosen_M = jnp.any(hit_Mk, axis=1)
+        count = jnp.sum(chosen_M, dtype=jnp.int32)
+        order = jnp.argsort(~chosen_M, stable=True).astype(jnp.int32)  # this expert's tokens first
+        order = jnp.pad(order, (0, groups * rows - m))
+
+        def group(g, out_MD, i=i, gate_M=gate_M, order=order, count=count):
+            tok_R = jax.lax.dynamic_slice_in_dim(order, g * rows, rows)
+            real_R = g * rows + jnp.arange(rows) < count
+            # taken here, inside the cond: a stacked expert's slice (a copy) is made only if it runs
+            y_RD = _geglu(x_MD[tok_R], *(dequantize(expert(w, i), dtype) for w in weights))
+            y_RD = jnp.where(real_R[:, None], gate_M[tok_R][:, None] * y_RD, 0)
+            return out_MD.at[tok_R].add(y_RD.astype(jnp.float32))
+
+        # The first group under a cond, not in the loop: with one group its body does not depend
+        # on the loop index, and XLA would hoist it out of the loop and run every expert.
+        out_MD = jax.lax.cond(count > 0, functools.partial(group, 0), lambda out: out, out_MD)
+        if groups > 1:
+            out_MD = jax.lax.fori_loop(1, -(-count // rows), group, out_MD)
+    return out_MD
 
 
 class DecoderLayer(nn.Module):

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from model.experts import ExpertWeights
 from model.quant import QuantizedWeight8bit
 
 MESH_AXES = ("data", "model")
@@ -119,13 +120,18 @@ def param_specs(params, rules: dict | None = None, mesh: Mesh | None = None):
     """PartitionSpecs shaped like ``params`` (arrays or ShapeDtypeStructs, int8 or float).
 
     With ``mesh``, every dimension is checked against its mesh axes and quantisation scale groups
-    that the mesh does not divide are replicated.
+    that the mesh does not divide are replicated. An ``ExpertWeights`` gives each expert the spec
+    of its stacked weight without the ``experts`` entry.
     """
     rules = DEFAULT_RULES if rules is None else rules
 
-    def leaf_spec(path, leaf):
-        name = path_str(path)
-        spec = spec_for(logical_axes(name), rules)
+    def leaf_spec(name, axes, leaf):
+        spec = spec_for(axes, rules)
+        if isinstance(leaf, ExpertWeights):
+            if spec[0] is not None:
+                raise ValueError(f"{name}: split per expert, so its experts axis cannot be sharded "
+                                 f"(rules map 'experts' to {spec[0]!r}); keep the weight stacked")
+            return ExpertWeights(tuple(leaf_spec(f"{name}/{e}", axes[1:], w) for e, w in enumerate(leaf.experts)))
         if not isinstance(leaf, QuantizedWeight8bit):
             if mesh is not None:
                 check_divisible(name, leaf.shape, spec, mesh)
@@ -139,7 +145,8 @@ def param_specs(params, rules: dict | None = None, mesh: Mesh | None = None):
         return QuantizedWeight8bit(weight=spec, scales=P(*entries))
 
     return jax.tree_util.tree_map_with_path(
-        leaf_spec, params, is_leaf=lambda x: isinstance(x, QuantizedWeight8bit))
+        lambda path, leaf: leaf_spec(path_str(path), logical_axes(path_str(path)), leaf), params,
+        is_leaf=lambda x: isinstance(x, (QuantizedWeight8bit, ExpertWeights)))
 
 
 def param_shardings(params, mesh: Mesh, rules: dict | None = None):

@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
+from model.experts import split_experts
 from model.memory import KVMemory, new_memory
 from model.sharding import (DEFAULT_RULES, activation_sharding, make_mesh, memory_specs, param_shardings,
                             spec_for)
@@ -84,6 +85,9 @@ class ModelRunner:
     dtype: str | None = None
     dequantize: bool | None = None  # int8 -> float at load; default: on CPU only
     moe_impl: str = "auto"
+    # Hold each MoE weight as one buffer per expert (model/experts.py), so decode reads only the
+    # selected experts, in place. Default: on CPU, when the rules do not shard the experts axis.
+    split_experts: bool | None = None
     tokenizer_path: str | None = dataclasses.field(default=None, init=False)
 
     def initialize(self, mesh: Mesh | None = None, batch_size: int | None = None) -> None:
@@ -99,6 +103,11 @@ class ModelRunner:
         data = self.mesh.shape["data"]
         if self.batch_size % data:
             raise ValueError(f"batch_size {self.batch_size} is not divisible by the mesh's data axis ({data})")
+        split = self.split_experts
+        if split is None:
+            split = self.mesh.devices.flat[0].platform == "cpu" and self.rules.get("experts") is None
+        if split:
+            self.params = split_experts(self.params)
         self.param_shardings = param_shardings(self.params, self.mesh, self.rules)
         self.params = jax.device_put(self.params, self.param_shardings)
         self._build()

@@ -48,7 +48,7 @@ def test_int8_weights_are_accepted_wherever_float_weights_are(tiny_params):
         lambda w: dequantize(w, jnp.float32) if isinstance(w, QuantizedWeight8bit) else w,
         qparams, is_leaf=lambda x: isinstance(x, QuantizedWeight8bit))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (3, 4), 1, TINY.vocab_size)  # batch 3
-    for impl in ("dense", "switch"):
+    for impl in ("dense", "grouped"):
         a = forward(qparams, tokens, TINY, moe_impl=impl).logits
         b = forward(deq, tokens, TINY, moe_impl=impl).logits
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
