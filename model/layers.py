@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
-from model.experts import ExpertWeights, expert
+from model.experts import ExpertWeights, expert_matmul
 from model.quant import dequantize
 from model.sharding import constrain
 
@@ -145,10 +145,17 @@ def _batched(x, w):
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (w.ndim - 2,)), ((0,), (0,))))
 
 
-def _geglu(x, w_gate, w_up, w_down, dot=jnp.matmul):
-    """GeGLU expert(s): down(gelu_tanh(x W_gate) * (x W_up))."""
-    hidden = jax.nn.gelu(dot(x, w_gate), approximate=True) * dot(x, w_up)
-    return dot(hidden, w_down)
+def _geglu(x_E_D, w_gate, w_up, w_down):
+    """GeGLU experts batched over E: down(gelu_tanh(x W_gate) * (x W_up))."""
+    hidden = jax.nn.gelu(_batched(x_E_D, w_gate), approximate=True) * _batched(x_E_D, w_up)
+    return _batched(hidden, w_down)
+
+
+def _expert_geglu(x, weights, e: int, dtype):
+    """Expert ``e`` of the (stacked or split) ``weights = (gate, up, down)`` on ``x [..., D]``."""
+    gate, up, down = weights
+    hidden = jax.nn.gelu(expert_matmul(x, gate, e, dtype), approximate=True) * expert_matmul(x, up, e, dtype)
+    return expert_matmul(hidden, down, e, dtype)
 
 
 def group_size(tokens: int, config: ModelConfig) -> int:
@@ -211,11 +218,10 @@ class MoELayer(nn.Module):
             # combine[m, e] = gate of expert e for token m (0 where not selected)
             combine_ME = jnp.einsum("Mk,MkE->ME", gates_Mk, jax.nn.one_hot(idx_Mk, e, dtype=dtype))
             if split:  # one plain matmul per expert buffer
-                y_EMD = jnp.stack([_geglu(x_MD, *(dequantize(expert(w, i), dtype) for w in (w_gate, w_up, w_down)))
-                                   for i in range(e)])
+                y_EMD = jnp.stack([_expert_geglu(x_MD, (w_gate, w_up, w_down), i, dtype) for i in range(e)])
             else:
                 x_EMD = jnp.broadcast_to(x_MD, (e, b * t, d))
-                y_EMD = _geglu(x_EMD, *(dequantize(w, dtype) for w in (w_gate, w_up, w_down)), dot=_batched)
+                y_EMD = _geglu(x_EMD, *(dequantize(w, dtype) for w in (w_gate, w_up, w_down)))
             out_MD = jnp.einsum("ME,EMD->MD", combine_ME, y_EMD)
         else:
             raise ValueError(f"MoELayer.impl must be 'auto', 'grouped' or 'dense', got {self.impl!r}")
@@ -245,7 +251,7 @@ def _grouped_moe(x_MD, gates_Mk, idx_Mk, weights, num_experts: int, rows: int, d
             tok_R = jax.lax.dynamic_slice_in_dim(order, g * rows, rows)
             real_R = g * rows + jnp.arange(rows) < count
             # taken here, inside the cond: a stacked expert's slice (a copy) is made only if it runs
-            y_RD = _geglu(x_MD[tok_R], *(dequantize(expert(w, i), dtype) for w in weights))
+            y_RD = _expert_geglu(x_MD[tok_R], weights, i, dtype)
             y_RD = jnp.where(real_R[:, None], gate_M[tok_R][:, None] * y_RD, 0)
             return out_MD.at[tok_R].add(y_RD.astype(jnp.float32))
 

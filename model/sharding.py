@@ -131,7 +131,9 @@ def param_specs(params, rules: dict | None = None, mesh: Mesh | None = None):
             if spec[0] is not None:
                 raise ValueError(f"{name}: split per expert, so its experts axis cannot be sharded "
                                  f"(rules map 'experts' to {spec[0]!r}); keep the weight stacked")
-            return ExpertWeights(tuple(leaf_spec(f"{name}/{e}", axes[1:], w) for e, w in enumerate(leaf.experts)))
+            one = axes[1:][::-1] if leaf.transposed else axes[1:]
+            return ExpertWeights(tuple(leaf_spec(f"{name}/{e}", one, w) for e, w in enumerate(leaf.experts)),
+                                 transposed=leaf.transposed)
         if not isinstance(leaf, QuantizedWeight8bit):
             if mesh is not None:
                 check_divisible(name, leaf.shape, spec, mesh)

@@ -2,7 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runner.sampling import SampleSettings, filter_logits, sample_token
+from runner.sampling import SampleSettings, argmax, filter_logits, sample_token
 
 
 def settings(b, temperature=1.0, nucleus_p=1.0, top_k=0):
@@ -55,3 +55,23 @@ def test_huge_logits_are_stable():
     logits = jnp.array([[1e4, 1e4 - 1.0, -1e4]])
     out = sample_token(logits, settings(1, temperature=0.5, nucleus_p=0.9), keys(1))
     assert int(out.token_id[0]) in (0, 1) and np.isfinite(float(out.logprob[0]))
+
+
+def test_argmax_matches_jnp_argmax_including_ties():
+    x = jax.random.normal(jax.random.PRNGKey(3), (6, 300))
+    x = x.at[1, 7].set(9.0).at[1, 200].set(9.0)  # a tie: the first index wins
+    x = x.at[2].set(-jnp.inf).at[2, 5].set(0.0)  # everything filtered but one
+    x = x.at[3].set(1.0)  # all equal
+    np.testing.assert_array_equal(np.asarray(argmax(x)), np.asarray(jnp.argmax(x, axis=-1)))
+
+
+def test_draw_is_jax_random_categorical_and_a_mixed_batch_keeps_each_rows_rule():
+    logits = jax.random.normal(jax.random.PRNGKey(4), (5, 50)) * 2
+    k = keys(5, seed=9)
+    want = jax.vmap(jax.random.categorical)(k, logits / 0.7)
+    np.testing.assert_array_equal(np.asarray(sample_token(logits, settings(5, temperature=0.7), k).token_id),
+                                  np.asarray(want))
+    mixed = settings(5, temperature=0.7).replace(temperature=jnp.array([0.7, 0.0, 0.7, 0.0, 0.7]))
+    got = np.asarray(sample_token(logits, mixed, k).token_id)
+    np.testing.assert_array_equal(got[[0, 2, 4]], np.asarray(want)[[0, 2, 4]])
+    np.testing.assert_array_equal(got[[1, 3]], np.asarray(jnp.argmax(logits, axis=-1))[[1, 3]])

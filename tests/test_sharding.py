@@ -163,7 +163,8 @@ def test_split_experts_cannot_be_expert_sharded(plain_params):
     split = split_experts(plain_params)
     specs = param_specs(split, DEFAULT_RULES)
     w = specs["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
-    assert isinstance(w, ExpertWeights) and all(s == P("model", "data") for s in w.experts)
+    # the down projection [F, D] is held transposed, [D, F], and its spec with it
+    assert isinstance(w, ExpertWeights) and w.transposed and all(s == P("data", "model") for s in w.experts)
     with pytest.raises(ValueError, match="experts axis cannot be sharded"):
         param_specs(split, EXPERT_PARALLEL_RULES)
 
