@@ -20,7 +20,7 @@ from model.quant import dequantize
 from model.sharding import constrain
 
 RESIDUAL = ("batch", "seq", "act_embed")
-CACHE = ("batch", "cache_sequence", "cache_kv_heads", "head_dim")
+CACHE = ("batch", "cache_kv_heads", "cache_sequence", "head_dim")
 
 _MASKED = -1e30  # Grok-1: masked attention logits are set to -1e30
 
@@ -87,8 +87,9 @@ class MultiHeadAttention(nn.Module):
     def __call__(self, x_BTD, positions_BT, mask_BTS, cache=None):
         """``mask_BTS[b, t, s]`` says whether query t of row b may attend to key s.
 
-        Without ``cache`` the keys are this chunk's own (S = T). With ``cache = (k_BSKH, v_BSKH)``
-        the chunk's K/V are written at ``positions_BT`` first and the keys are the whole cache; the
+        Without ``cache`` the keys are this chunk's own (S = T). With ``cache = (k_BKSH, v_BKSH)``
+        (positions third: a step reads them without a transpose) the chunk's K/V are written at
+        ``positions_BT`` first and the keys are the whole cache; the
         updated cache is returned.
         """
         c = self.config
@@ -108,30 +109,30 @@ class MultiHeadAttention(nn.Module):
         k_BTKH = rotary_embedding(k_BTKH, positions_BT, c.rope_base)
 
         if cache is not None:
-            k_BSKH, v_BSKH = cache
+            k_BKSH, v_BKSH = cache
             rows_BT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
             # Scatter with mode="drop": a padded position past sequence_len is dropped, never
             # clamped onto valid entries (XLA's dynamic_update_slice would clamp).
-            k_BSKH = k_BSKH.at[rows_BT, positions_BT].set(k_BTKH.astype(k_BSKH.dtype), mode="drop")
-            v_BSKH = v_BSKH.at[rows_BT, positions_BT].set(v_BTKH.astype(v_BSKH.dtype), mode="drop")
-            k_BSKH, v_BSKH = constrain(k_BSKH, CACHE), constrain(v_BSKH, CACHE)  # never resharded
-            cache = (k_BSKH, v_BSKH)
+            k_BKSH = k_BKSH.at[rows_BT, :, positions_BT].set(k_BTKH.astype(k_BKSH.dtype), mode="drop")
+            v_BKSH = v_BKSH.at[rows_BT, :, positions_BT].set(v_BTKH.astype(v_BKSH.dtype), mode="drop")
+            k_BKSH, v_BKSH = constrain(k_BKSH, CACHE), constrain(v_BKSH, CACHE)  # never resharded
+            cache = (k_BKSH, v_BKSH)
             # Attend to the first S positions only (S = the mask's length: a bucket that covers
             # every row's valid positions), so a step reads the KV it needs, not the whole cache.
             s = mask_BTS.shape[-1]
-            k_BSKH, v_BSKH = k_BSKH[:, :s].astype(dtype), v_BSKH[:, :s].astype(dtype)
+            k_BKSH, v_BKSH = k_BKSH[:, :, :s].astype(dtype), v_BKSH[:, :, :s].astype(dtype)
         else:
-            k_BSKH, v_BSKH = k_BTKH, v_BTKH
+            k_BKSH, v_BKSH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
 
         # GQA: query head j uses KV head j // g (contiguous groups of g query heads).
         q_BTKGH = q_BTNH.reshape(b, t, k, g, h)
-        logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH).astype(jnp.float32)
+        logits_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH).astype(jnp.float32)
         # Grok-1: logits x attn_output_multiplier, then soft-capped at 30 * tanh(x / 30).
         logits_BKGTS = logits_BKGTS * c.attn_output_multiplier
         logits_BKGTS = c.attn_logit_cap * jnp.tanh(logits_BKGTS / c.attn_logit_cap)
         logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
         weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dtype)  # softmax in float32
-        out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", weights_BKGTS, v_BSKH)
+        out_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", weights_BKGTS, v_BKSH)
         out_BTD = jnp.einsum("BTM,MD->BTD", out_BTKGH.reshape(b, t, n * h), wo_ND)
         return out_BTD, cache
 

@@ -1,9 +1,10 @@
 """``KVMemory``: the per-layer key/value cache, a pytree updated in place through donated buffers.
 
 Invariants:
-- ``k[l]`` and ``v[l]`` are ``[B, S, K, H]`` (batch rows, ``sequence_len`` positions, KV heads,
-  key_size); ``step[b]`` is the number of valid positions of row ``b``: positions ``[0, step[b])``
-  hold the keys/values of that row's tokens, everything at or after ``step[b]`` is garbage and is
+- ``k[l]`` and ``v[l]`` are ``[B, K, S, H]`` (batch rows, KV heads, ``sequence_len`` positions,
+  key_size: the layout attention reads without a transpose; the reference's is ``[B, S, K, H]``).
+  ``step[b]`` is the number of valid positions of row ``b``: positions ``[0, step[b])`` hold the
+  keys/values of that row's tokens, everything at or after ``step[b]`` is garbage and is
   never attended to.
 - A forward pass with memory writes its chunk at positions ``[step, step + T)`` of each row,
   attends only to ``[0, step + length)`` (causally), and advances ``step`` by the chunk's real
@@ -25,8 +26,8 @@ from model.config import ModelConfig
 
 @flax.struct.dataclass
 class KVMemory:
-    k: tuple[jax.Array, ...]  # num_layers x [B, S, K, H]
-    v: tuple[jax.Array, ...]  # num_layers x [B, S, K, H]
+    k: tuple[jax.Array, ...]  # num_layers x [B, K, S, H]
+    v: tuple[jax.Array, ...]  # num_layers x [B, K, S, H]
     step: jax.Array  # [B] int32: valid positions per row
 
     @property
@@ -35,7 +36,7 @@ class KVMemory:
 
     @property
     def sequence_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     def check_fits(self, lengths) -> None:
         """Raise ``ValueError`` if writing ``lengths`` more tokens would pass ``sequence_len``.
@@ -61,7 +62,7 @@ def new_memory(config: ModelConfig, batch_size: int, sequence_len: int | None = 
         raise ValueError(f"new_memory needs positive batch_size and sequence_len, got "
                          f"{batch_size} and {sequence_len}")
     dtype = config.dtype if dtype is None else dtype
-    shape = (batch_size, sequence_len, config.num_kv_heads, config.key_size)
+    shape = (batch_size, config.num_kv_heads, sequence_len, config.key_size)
     zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731 - one fresh buffer per leaf
     return KVMemory(
         k=tuple(zeros() for _ in range(config.num_layers)),

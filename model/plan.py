@@ -149,7 +149,7 @@ def memory_plan(config: ModelConfig, params=None, *, mesh_shape=(1, 1), batch_si
         total += int(np.prod(leaf.shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
     kv_dtype = jnp.dtype(config.dtype if kv_dtype is None else kv_dtype)
     kv_spec = spec_for(KV_MEMORY_AXES, rules)
-    kv_token_shape = (1, 1, config.num_kv_heads, config.key_size)
+    kv_token_shape = (1, config.num_kv_heads, 1, config.key_size)  # [B, K, S, H]
     per_token = 2 * config.num_layers * _shard_bytes(kv_token_shape, kv_dtype, P(None, *kv_spec[1:]), mesh)
     return MemoryPlan(config, tuple(mesh_shape), batch_size, dict(by_dtype), total, per_token,
                       per_token * config.sequence_len, kv_dtype.name, device_memory)

@@ -67,7 +67,7 @@ DEFAULT_RULES: dict[str, object] = {
 # Expert parallelism: experts over ``model``, each expert's FFN whole on its device.
 EXPERT_PARALLEL_RULES = {**DEFAULT_RULES, "experts": "model", "mlp": None}
 
-KV_MEMORY_AXES = ("batch", "cache_sequence", "cache_kv_heads", "head_dim")
+KV_MEMORY_AXES = ("batch", "cache_kv_heads", "cache_sequence", "head_dim")  # KVMemory is [B, K, S, H]
 
 
 def make_mesh(shape: tuple[int, int] = (1, 1), devices=None) -> Mesh:

@@ -239,8 +239,8 @@ def test_padding_past_the_end_is_dropped_not_clamped(tiny_params):
     chunk = np.concatenate([tokens[:, 6:8], random_tokens(19, (1, 4))], axis=1)  # 2 real + 4 pad
     second = step(tiny_params, chunk, first.memory, jnp.array([2]))
     for layer in range(TINY.num_layers):
-        np.testing.assert_array_equal(np.asarray(second.memory.k[layer][0, :6]),
-                                      np.asarray(first.memory.k[layer][0, :6]))
+        np.testing.assert_array_equal(np.asarray(second.memory.k[layer][0, :, :6]),
+                                      np.asarray(first.memory.k[layer][0, :, :6]))
     full = np.asarray(forward(tiny_params, tokens, TINY).logits)
     np.testing.assert_allclose(np.asarray(second.logits)[:, :2], full[:, 6:8], atol=ATOL)
 

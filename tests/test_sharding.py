@@ -68,9 +68,10 @@ def test_golden_grok1_layout_on_a_1x8_mesh():
         # the model axis here, so ours are the same on this mesh.
         assert tuple(spec) == tuple(grok1[key]), name
     # Deliberate difference: Grok-1 shards the KV memory's *sequence* over "model" and reshards
-    # it to heads in every layer of every step; ours keeps KV heads over "model" throughout.
+    # it to heads in every layer of every step; ours keeps KV heads over "model" throughout, and
+    # holds them [B, K, S, H] (heads before positions) so attention reads them without a transpose.
     kv = memory_specs(jax.eval_shape(lambda: new_memory(SHARD, 8)))
-    assert kv.k[0] == P("data", None, "model", None) and kv.step == P("data")
+    assert kv.k[0] == P("data", "model", None, None) and kv.step == P("data")
 
 
 def test_a_leaf_without_a_rule_is_an_error():
@@ -86,7 +87,7 @@ def test_an_undivided_dimension_names_both():
                                          r"by mesh axis \('data', 'model'\) of size 3"):
         param_specs(params, mesh=jax.sharding.AbstractMesh((1, 3), ("data", "model")))
     memory = jax.eval_shape(lambda: new_memory(TINY, 8))  # 2 KV heads cannot split 8 ways
-    with pytest.raises(ValueError, match=r"KVMemory.k: dimension 2 of size 2 is not divisible by mesh axis "
+    with pytest.raises(ValueError, match=r"KVMemory.k: dimension 1 of size 2 is not divisible by mesh axis "
                                          r"'model' of size 8"):
         memory_specs(memory, mesh=jax.sharding.AbstractMesh((1, 8), ("data", "model")))
 
@@ -141,7 +142,7 @@ def test_meshes_match_single_device(shard_params, plain_params, single_device, s
     for e in w.experts:
         assert e.sharding.spec == P("data", "model") and e.sharding.mesh.shape == mesh.shape
     state = runner.state
-    assert state.memory.k[0].sharding.spec == P("data", None, "model", None)
+    assert state.memory.k[0].sharding.spec == P("data", "model", None, None)
     assert state.memory.step.sharding.spec == P("data") and state.tokens.sharding.spec == P("data")
 
 
