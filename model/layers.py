@@ -132,7 +132,8 @@ class MultiHeadAttention(nn.Module):
         logits_BKGTS = c.attn_logit_cap * jnp.tanh(logits_BKGTS / c.attn_logit_cap)
         logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
         weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dtype)  # softmax in float32
-        out_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", weights_BKGTS, v_BKSH)
+        # per (row, KV head) a plain [G*T, S] @ [S, H] matmul; the small result is transposed after
+        out_BTKGH = jnp.einsum("BKGTS,BKSH->BKGTH", weights_BKGTS, v_BKSH).transpose(0, 3, 1, 2, 4)
         out_BTD = jnp.einsum("BTM,MD->BTD", out_BTKGH.reshape(b, t, n * h), wo_ND)
         return out_BTD, cache
 
