@@ -38,6 +38,10 @@ def parse_args(argv):
     p.add_argument("--mesh", default=None, help="device mesh DATA,MODEL (default 1,1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation dtype "
                    "(default: the checkpoint's; float32 is used on CPU, where bf16 matmuls are slow)")
+    p.add_argument("--compile-cache", default=os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
+        help="directory of JAX's persistent compilation cache, so a second start skips XLA "
+             "compilation (default: %(default)s); 'off' disables it")
     p.add_argument("--plan", action="store_true", help="print the per-device memory plan and exit "
                    "(with --preset or --checkpoint, --mesh, --batch-size, --device-memory)")
     p.add_argument("--preset", help="plan for a preset config (grok-1, ...) in the Grok-1 release's "
@@ -118,8 +122,13 @@ def main(argv=None) -> int:
         if not (args.coordinator and args.num_processes and args.process_id is not None):
             parser.error("multi-host needs --coordinator, --num-processes and --process-id (or their env vars)")
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    if args.compile_cache != "off":
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     from runner import InferenceRunner, ModelRunner, Request
-    from runner.compile_count import compilations
+    from runner.compile_count import cache_hits, compilations
     from runner.runner import default_checkpoint
 
     compilations()
@@ -186,7 +195,8 @@ def main(argv=None) -> int:
     rate = max(generated - len(requests), 0) / max(end - (first_token or end), 1e-9)
     print(f"time to first token {ttft:.2f} s (command start, compile included), "
           f"{rate:.1f} tokens/s after it ({generated} tokens, {len(requests)} prompts, batch "
-          f"{runner.batch_size}), {compilations()} compilations", file=sys.stderr)
+          f"{runner.batch_size}), {compilations()} compilations ({cache_hits()} from the compilation cache)",
+          file=sys.stderr)
     return 0
 
 

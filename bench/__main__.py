@@ -1,8 +1,9 @@
 """Serving benchmark: TTFT, TPOT, output tokens/s, compile and startup time, peak memory, for
 batch sizes x prompt lengths; beside, in the same run, the machine's own limits (memory bandwidth,
-matmul FLOP/s), the roofline of every configuration, and generation without a KV cache.
+matmul FLOP/s), the roofline of every configuration, generation without a KV cache, and (when
+the ``bench`` extra is installed) the Hugging Face transformers Mixtral peer of bench/peer.py.
 
-    python -m bench [--quick] [--out bench/results.json]
+    python -m bench [--quick] [--no-peer] [--out bench/results.json]
 
 Results are printed as markdown tables and written as JSON. Wall-clock figures are medians over
 ``--repeats`` runs. Never run by the tests.
@@ -19,6 +20,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -135,20 +137,21 @@ def init_forward(params, tokens, config):
     return forward(params, tokens, config).logits[:, -1]
 
 
-def startup_of_default() -> float | None:
-    """Seconds from command start to the first token of `python run.py` (shipped default)."""
+def startup_of_default() -> dict | None:
+    """Seconds from command start to the first token of `python run.py` (shipped default): cold
+    (an empty persistent compilation cache, so everything compiles) and warm (the same cache
+    again), as run.py's own summary line reports them."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if not os.path.isdir(os.path.join(here, "checkpoints", "austen-moe")):
         return None
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "run.py", "--max-tokens", "8", "--prompt", "It is"], cwd=here,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=600)
-    total = time.perf_counter() - start
-    for line in err.splitlines():
-        if line.startswith("time to first token"):
-            return float(line.split()[4])
-    return total
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        for name in ("cold", "warm"):
+            proc = subprocess.run([sys.executable, "run.py", "--max-tokens", "8", "--prompt", "It is",
+                                   "--compile-cache", cache], cwd=here, capture_output=True, text=True, timeout=600)
+            line = next(x for x in proc.stderr.splitlines() if x.startswith("time to first token"))
+            out[name] = float(line.split()[4])
+    return out
 
 
 def main(argv=None):
@@ -158,6 +161,7 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--decode-steps", type=int, default=4)
     parser.add_argument("--out", default="bench/results.json")
+    parser.add_argument("--no-peer", action="store_true", help="skip the Hugging Face Mixtral peer")
     args = parser.parse_args(argv)
     batches, prompts = ((1, 8), (128,)) if args.quick else ((1, 8, 32), (128, 1024))
     new_tokens = 16 if args.quick else args.new_tokens
@@ -200,9 +204,28 @@ def main(argv=None):
     for length, seconds in nocache:
         print(f"  context {length}: {seconds * 1e3:.1f} ms/token vs {cached['tpot'] * 1e3:.1f} ms/token cached "
               f"({seconds / cached['tpot']:.1f}x)")
+    from bench import peer
+
+    if args.no_peer or not peer.available():
+        results["peer"] = None
+        print("\npeer (Hugging Face transformers, Mixtral): not measured "
+              f"({'--no-peer' if args.no_peer else 'torch/transformers not installed: the bench extra'})")
+    else:
+        peer_batches = tuple(b for b in batches if b <= 8)
+        results["peer"] = peer.measure(BENCH, peer_batches, 128, new_tokens, args.repeats)
+        print()
+        peer.print_table(results["peer"])
+        for r in results["peer"]["rows"]:
+            ours = next(o for o in results["rows"] if o["batch"] == r["batch"] and o["prompt"] == r["prompt"])
+            print(f"  batch {r['batch']}: this runner decodes {ours['decode_tokens_per_s'] / r['decode_tokens_per_s']:.1f}x "
+                  f"as many tokens/s, first token {r['ttft'] / ours['ttft']:.1f}x sooner")
     startup = startup_of_default()
     results["startup_default_s"] = startup
-    print(f"\nstartup of the shipped default to first token: {startup if startup is None else round(startup, 2)} s")
+    if startup is None:
+        print("\nstartup of the shipped default: checkpoints/austen-moe is missing")
+    else:
+        print(f"\nstartup of the shipped default to first token: {startup['cold']:.2f} s with an empty "
+              f"compilation cache, {startup['warm']:.2f} s with it filled")
     results["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"peak memory of this benchmark process: {results['peak_rss_bytes'] / 2**30:.2f} GiB")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

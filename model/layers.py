@@ -233,35 +233,36 @@ class MoELayer(nn.Module):
 def _grouped_moe(x_MD, gates_Mk, idx_Mk, weights, num_experts: int, rows: int, dtype):
     """``sum_j gate_j * expert_{idx_j}(x)`` computing each expert on its own tokens only.
 
-    Per expert (a static loop): its tokens are listed first by a stable sort, then taken ``rows``
-    at a time into one matmul each: the first group under a ``cond`` (skipped when no token chose
-    the expert), the rest, if any, in a ``fori_loop`` with a data-dependent trip count. Padding rows of the last group
-    add exactly zero. Each token's result depends on its own row only.
+    One stable sort of the (token, slot) pairs by expert lists each expert's tokens contiguously;
+    per expert (a static loop) they are taken ``rows`` at a time into one matmul each, in a
+    ``fori_loop`` with a data-dependent trip count (a ``cond`` where one group holds every token),
+    so an expert no token chose is skipped. Padding rows of a group add exactly zero. Each
+    token's result depends on its own row only.
     """
     m, d = x_MD.shape
+    top = idx_Mk.shape[1]
     groups = -(-m // rows)
+    expert_P = idx_Mk.reshape(-1)  # P = (token, slot) pairs; a token picks an expert at most once
+    order_P = jnp.argsort(expert_P, stable=True).astype(jnp.int32)
+    counts_E = jnp.zeros((num_experts,), jnp.int32).at[expert_P].add(1)
+    starts_E = jnp.cumsum(counts_E) - counts_E
+    order_P = jnp.pad(order_P, (0, groups * rows))  # every group's slice stays in bounds
+    gates_P = gates_Mk.reshape(-1)
     out_MD = jnp.zeros((m, d), jnp.float32)
     for i in range(num_experts):
-        hit_Mk = idx_Mk == i
-        gate_M = jnp.sum(jnp.where(hit_Mk, gates_Mk, 0), axis=1)
-        chosen_M = jnp.any(hit_Mk, axis=1)
-        count = jnp.sum(chosen_M, dtype=jnp.int32)
-        order = jnp.argsort(~chosen_M, stable=True).astype(jnp.int32)  # this expert's tokens first
-        order = jnp.pad(order, (0, groups * rows - m))
-
-        def group(g, out_MD, i=i, gate_M=gate_M, order=order, count=count):
-            tok_R = jax.lax.dynamic_slice_in_dim(order, g * rows, rows)
-            real_R = g * rows + jnp.arange(rows) < count
+        def group(g, out_MD, i=i):
+            pair_R = jax.lax.dynamic_slice_in_dim(order_P, starts_E[i] + g * rows, rows)
+            real_R = g * rows + jnp.arange(rows) < counts_E[i]
+            tok_R = jnp.where(real_R, pair_R // top, 0)
             # taken here, inside the cond: a stacked expert's slice (a copy) is made only if it runs
             y_RD = _expert_geglu(x_MD[tok_R], weights, i, dtype)
-            y_RD = jnp.where(real_R[:, None], gate_M[tok_R][:, None] * y_RD, 0)
+            y_RD = jnp.where(real_R[:, None], gates_P[pair_R][:, None] * y_RD, 0)
             return out_MD.at[tok_R].add(y_RD.astype(jnp.float32))
 
-        # The first group under a cond, not in the loop: with one group its body does not depend
-        # on the loop index, and XLA would hoist it out of the loop and run every expert.
-        out_MD = jax.lax.cond(count > 0, functools.partial(group, 0), lambda out: out, out_MD)
-        if groups > 1:
-            out_MD = jax.lax.fori_loop(1, -(-count // rows), group, out_MD)
+        if groups == 1:  # a cond, not a loop: XLA hoisted a one-group loop's body and ran every expert
+            out_MD = jax.lax.cond(counts_E[i] > 0, functools.partial(group, 0), lambda out: out, out_MD)
+        else:  # one body for all groups keeps the compile time of a layer down
+            out_MD = jax.lax.fori_loop(0, -(-counts_E[i] // rows), group, out_MD)
     return out_MD
 
 

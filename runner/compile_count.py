@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import jax
 
-_EVENT = "/jax/core/compile/backend_compile_duration"
+_EVENT = "/jax/core/compile/backend_compile_duration"  # also fires for a persistent-cache hit
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _count = 0
+_hits = 0
 _registered = False
 
 
@@ -19,10 +21,24 @@ def _listener(event: str, duration: float, **kwargs) -> None:
         _count += 1
 
 
+def _hit_listener(event: str, **kwargs) -> None:
+    global _hits
+    if event == _CACHE_HIT:
+        _hits += 1
+
+
 def compilations() -> int:
-    """Backend compilations since the first call of this function."""
+    """Executables built since the first call of this function: compiled, or loaded from JAX's
+    persistent compilation cache (``cache_hits`` says how many of them were)."""
     global _registered
     if not _registered:
         jax.monitoring.register_event_duration_secs_listener(_listener)
+        jax.monitoring.register_event_listener(_hit_listener)
         _registered = True
     return _count
+
+
+def cache_hits() -> int:
+    """Of ``compilations()``, those loaded from the persistent compilation cache."""
+    compilations()
+    return _hits

@@ -15,6 +15,7 @@ simply has that extra step's output ignored.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import os
 import zlib
@@ -131,13 +132,23 @@ class InferenceRunner:
         return tuple(sorted(set(int(p) for p in sizes)))
 
     def _warmup(self) -> None:
-        """Compile every function for every bucket now, so serving never compiles."""
+        """Compile every function for every bucket now, so serving never compiles.
+
+        Each variant is traced here, then all are compiled side by side on the host's cores
+        (XLA compiles without the GIL); the calls that follow find them compiled.
+        """
         dummy = Request([1], temperature=1.0, max_len=2)
-        for bucket in self.pad_sizes:
-            self.state, _ = self._prefill(0, np.ones((bucket,), np.int32), 1, True, dummy, 0, bucket)
+        prefills = [(np.ones((bucket,), np.int32), True, bucket) for bucket in self.pad_sizes]
         if self.pad_sizes[-1] < self.config.sequence_len:  # continuation chunks of long prompts
-            self.state, _ = self._prefill(0, np.ones((self.pad_sizes[-1],), np.int32), 1, False, dummy, 0,
-                                          self.config.sequence_len)
+            prefills.append((np.ones((self.pad_sizes[-1],), np.int32), False, self.config.sequence_len))
+        lowered = [self.runner.prefill_memory.variant(kv_len=kv_len).lower(
+            *self._prefill_args(0, chunk, 1, reset, dummy, 0)) for chunk, reset, kv_len in prefills]
+        lowered += [self.runner.sample_step.variant(kv_len=kv_len, steps=self.decode_steps).lower(
+            self.runner.params, self.state) for kv_len in self.kv_buckets]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
+            list(pool.map(lambda low: low.compile(), lowered))
+        for chunk, reset, kv_len in prefills:
+            self.state, _ = self._prefill(0, chunk, 1, reset, dummy, 0, kv_len)
         for kv_len in self.kv_buckets:
             self.state, out = self.runner.sample_step(self.runner.params, self.state, kv_len=kv_len,
                                                       steps=self.decode_steps)
@@ -202,14 +213,17 @@ class InferenceRunner:
     # ---- device calls ----------------------------------------------------------------------------
     def _prefill(self, slot: int, chunk: np.ndarray, length: int, reset: bool, request: Request, seed: int,
                  kv_len: int):
+        return self.runner.prefill_memory(*self._prefill_args(slot, chunk, length, reset, request, seed),
+                                          kv_len=kv_len)
+
+    def _prefill_args(self, slot: int, chunk: np.ndarray, length: int, reset: bool, request: Request, seed: int):
         stop = [self.config.eos_token] + sorted(set(request.stop_token_ids) - {self.config.eos_token})
         stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
         stop_ids[: len(stop)] = stop
-        return self.runner.prefill_memory(
-            self.runner.params, self.state, np.int32(slot), chunk[None].astype(np.int32),
-            np.int32(length), np.bool_(reset), np.float32(request.temperature),
-            np.float32(request.nucleus_p), np.int32(request.top_k), np.uint32(seed),
-            np.int32(request.max_len), stop_ids, kv_len=kv_len)
+        return (self.runner.params, self.state, np.int32(slot), chunk[None].astype(np.int32),
+                np.int32(length), np.bool_(reset), np.float32(request.temperature),
+                np.float32(request.nucleus_p), np.int32(request.top_k), np.uint32(seed),
+                np.int32(request.max_len), stop_ids)
 
     def kv_bucket_for(self, length: int) -> int:
         return _smallest_at_least(self.kv_buckets, length)
