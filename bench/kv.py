@@ -45,7 +45,10 @@ def main(argv=None):
             state = engine.new_state()
             # every slot active at position n - steps: the step attends over exactly n positions
             memory = state.memory.replace(step=jax.numpy.full((b,), n - args.steps, jax.numpy.int32))
-            state = state.replace(memory=memory, active=jax.numpy.ones((b,), bool),
+            # a different token in every row, so rows route to different experts as in serving
+            # (identical rows would all pick the same two experts and read a quarter of them)
+            tokens = np.random.default_rng(n).integers(4, c.vocab_size, b).astype(np.int32)
+            state = state.replace(memory=memory, active=jax.numpy.ones((b,), bool), tokens=jax.numpy.asarray(tokens),
                                   remaining=jax.numpy.full((b,), 10**6, jax.numpy.int32))
             formula = 2 * b * c.num_layers * c.num_kv_heads * c.key_size * 4 * n  # fp32, n positions
             allocated = sum(x.nbytes for x in memory.k + memory.v)
@@ -63,7 +66,7 @@ def main(argv=None):
                 state = state.replace(
                     memory=state.memory.replace(step=jax.device_put(np.full((b,), n - args.steps, np.int32),
                                                                     sh.memory.step)),
-                    active=jax.device_put(np.ones((b,), bool), sh.active))
+                    active=jax.device_put(np.ones((b,), bool), sh.active), tokens=jax.device_put(tokens, sh.tokens))
             ms = statistics.median(times) * 1e3
             flops = 2 * c.num_active_params + 4 * c.num_layers * n * c.emb_size
             rows.append({"batch": b, "context": n, "kv_bytes_formula": formula, "kv_bytes_allocated": allocated,
