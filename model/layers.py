@@ -89,8 +89,7 @@ class MultiHeadAttention(nn.Module):
 
         Without ``cache`` the keys are this chunk's own (S = T). With ``cache = (k_BKSH, v_BKSH)``
         (positions third: a step reads them without a transpose) the chunk's K/V are written at
-        ``positions_BT`` first and the keys are the whole cache; the
-        updated cache is returned.
+        ``positions_BT`` first and the keys are the whole cache; the updated cache is returned.
         """
         c = self.config
         d, n, k, h, g = c.emb_size, c.num_q_heads, c.num_kv_heads, c.key_size, c.q_per_kv
@@ -254,7 +253,7 @@ def _grouped_moe(x_MD, gates_Mk, idx_Mk, weights, num_experts: int, rows: int, d
             pair_R = jax.lax.dynamic_slice_in_dim(order_P, starts_E[i] + g * rows, rows)
             real_R = g * rows + jnp.arange(rows) < counts_E[i]
             tok_R = jnp.where(real_R, pair_R // top, 0)
-            # taken here, inside the cond: a stacked expert's slice (a copy) is made only if it runs
+            # taken here, inside the cond or loop: a stacked expert's slice (a copy) is made only if it runs
             y_RD = _expert_geglu(x_MD[tok_R], weights, i, dtype)
             y_RD = jnp.where(real_R[:, None], gates_P[pair_R][:, None] * y_RD, 0)
             return out_MD.at[tok_R].add(y_RD.astype(jnp.float32))
