@@ -1,0 +1,124 @@
+"""Experiment: does a hand-written matmul beat XLA:CPU's dots at decode shapes?
+
+    python -m bench.ffi_matmul [--rows 1,2,4,8,16] [--repeats 9] [--out bench/ffi_matmul.json]
+
+Decode multiplies a few rows (the batch, or an expert's share of it) by weights far bigger than
+the caches, so a step is bound by how fast the weights stream from memory. This builds
+``bench/ffi_matmul.cc`` (a register-blocked fp32 kernel, threaded over XLA's intra-op pool, called
+through ``jax.ffi``) with the C++ compiler in ``$CXX`` (default ``g++``) and compares it with
+XLA's own dot on the benchmark config's matmul shapes, both weight layouts: ``NN`` (``x @ w``,
+``w [K, N]``) and ``NT`` (``x @ w.T``, ``w [N, K]``). Each call runs a chain of distinct weight
+matrices (each step depends on the last, as the layers of a decode step do), so the weights come
+from memory; the figure is weight bytes per second. The runner does not use the kernel.
+Skips (exit 0, saying why) without a C++ compiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ffi_matmul.cc")
+# (K, N, matrices per chain): an expert's up and down projections and the tied unembedding of
+# bench/__main__.py's config (emb 512, expert width 2736, vocabulary 32768).
+SHAPES = ((512, 2736, 24), (2736, 512, 24), (512, 32768, 4))
+
+
+def build(out_dir: str) -> str | None:
+    """Compile the kernel into ``out_dir``; the library's path, or None without a compiler."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        return None
+    lib = os.path.join(out_dir, "libffi_matmul.so")
+    subprocess.run([cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}",
+                    SOURCE, "-o", lib], check=True, capture_output=True)
+    return lib
+
+
+def kernel_matmul(x, w, transposed: bool):
+    n = w.shape[0] if transposed else w.shape[1]
+    return jax.ffi.ffi_call("bench_ffi_matmul", jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32))(
+        x, w, transposed=transposed)
+
+
+def chain(matmul):
+    """One call: every weight in turn, each input depending on the previous output."""
+    def run(x, ws):
+        total = jnp.float32(0)
+        for w in ws:
+            out = matmul(x, w)
+            total = total + out.sum()
+            x = x + 1e-9 * total
+        return out
+    return jax.jit(run)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn(), fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--out", default="bench/ffi_matmul.json")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = build(tmp)
+        if lib is None:
+            print(f"skipped: no C++ compiler ({os.environ.get('CXX', 'g++')}) to build {SOURCE}")
+            return
+        jax.ffi.register_ffi_target("bench_ffi_matmul", jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(lib).matmul),
+                                    platform="cpu")
+
+    key = jax.random.PRNGKey(0)
+    for m in (1, 3, 5, 8, 13):  # the kernel's row blocks and tails, against XLA
+        x, w = jax.random.normal(key, (m, 517)), jax.random.normal(jax.random.fold_in(key, 1), (37, 517))
+        for transposed, wt in ((True, w), (False, w.T)):
+            np.testing.assert_allclose(kernel_matmul(x, wt, transposed), x @ w.T, rtol=1e-4, atol=1e-4)
+
+    variants = {"XLA NN": (lambda x, w: x @ w, False), "XLA NT": (lambda x, w: x @ w.T, True),
+                "kernel NN": (lambda x, w: kernel_matmul(x, w, False), False),
+                "kernel NT": (lambda x, w: kernel_matmul(x, w, True), True)}
+    rows = []
+    print(f"{os.cpu_count()} cores, jax {jax.__version__}; GB/s of weights, median of {args.repeats}")
+    print("| rows | K x N | " + " | ".join(variants) + " | best kernel / best XLA |")
+    print("|---:|---|" + "---:|" * (len(variants) + 1))
+    for m in (int(r) for r in args.rows.split(",")):
+        for k, n, count in SHAPES:
+            x = jax.random.normal(key, (m, k))
+            nn = [jax.random.normal(jax.random.fold_in(key, i), (k, n)) for i in range(count)]
+            nt = [jnp.asarray(w.T) for w in nn]
+            rates = {}
+            for name, (matmul, transposed) in variants.items():
+                fn, ws = chain(matmul), nt if transposed else nn
+                seconds = median_seconds(lambda: jax.block_until_ready(fn(x, ws)), args.repeats)
+                rates[name] = count * k * n * 4 / seconds
+            ratio = max(rates["kernel NN"], rates["kernel NT"]) / max(rates["XLA NN"], rates["XLA NT"])
+            rows.append({"rows": m, "K": k, "N": n, "bytes_per_s": rates, "kernel_over_xla": ratio})
+            print(f"| {m} | {k} x {n} | " + " | ".join(f"{r / 1e9:.1f}" for r in rates.values()) + f" | {ratio:.2f}x |",
+                  flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"cores": os.cpu_count(), "jax": jax.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
