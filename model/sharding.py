@@ -146,9 +146,12 @@ def param_specs(params, rules: dict | None = None, mesh: Mesh | None = None):
             entries[-2] = None
         return QuantizedWeight8bit(weight=spec, scales=P(*entries))
 
+    def spec_at(path, leaf):
+        name = path_str(path)
+        return leaf_spec(name, logical_axes(name), leaf)
+
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf_spec(path_str(path), logical_axes(path_str(path)), leaf), params,
-        is_leaf=lambda x: isinstance(x, (QuantizedWeight8bit, ExpertWeights)))
+        spec_at, params, is_leaf=lambda x: isinstance(x, (QuantizedWeight8bit, ExpertWeights)))
 
 
 def param_shardings(params, mesh: Mesh, rules: dict | None = None):
