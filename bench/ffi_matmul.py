@@ -20,15 +20,15 @@ import ctypes
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from bench.__main__ import median_time
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ffi_matmul.cc")
 # (K, N, matrices per chain): an expert's up and down projections and the tied unembedding of
@@ -63,16 +63,6 @@ def chain(matmul):
             x = x + 1e-9 * total
         return out
     return jax.jit(run)
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn(), fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -110,7 +100,7 @@ def main(argv=None):
             rates = {}
             for name, (matmul, transposed) in variants.items():
                 fn, ws = chain(matmul), nt if transposed else nn
-                seconds = median_seconds(lambda: jax.block_until_ready(fn(x, ws)), args.repeats)
+                seconds = median_time(lambda: jax.block_until_ready(fn(x, ws)), args.repeats)
                 rates[name] = count * k * n * 4 / seconds
             ratio = max(rates["kernel NN"], rates["kernel NT"]) / max(rates["XLA NN"], rates["XLA NT"])
             rows.append({"rows": m, "K": k, "N": n, "bytes_per_s": rates, "kernel_over_xla": ratio})
