@@ -7,6 +7,10 @@ splits each stacked weight once at load into an ``ExpertWeights`` of E separate 
 forms hold the same values and the model accepts either; checkpoints and the sharding rules keep
 the stacked form, and a split weight takes its spec without the ``experts`` entry (so it cannot
 be expert-sharded).
+
+On one CPU device, float32 experts can also be held in column panels (``split_experts(params,
+panels=True)``), multiplied by the C++ kernel of ``model/panel.py``: it streams a panel front to
+back where XLA:CPU's dots of a few rows read weights at half the speed (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import re
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
+from model import panel
 from model.quant import QuantizedWeight8bit, dequantize, is_quantized
 
 MOE_WEIGHT = re.compile(r"(.*/)?moe/(linear|linear_v|linear_1)/w")
@@ -29,22 +35,26 @@ TRANSPOSED = ("linear_1",)
 
 @flax.struct.dataclass
 class ExpertWeights:
-    """One MoE weight ``[E, K, N]`` as E separate arrays: ``[K, N]`` each, or ``[N, K]`` each when
-    ``transposed`` (float weights only; a ``QuantizedWeight8bit`` expert keeps its layout)."""
+    """One MoE weight ``[E, K, N]`` as E separate arrays: ``[K, N]`` each, ``[N, K]`` each when
+    ``transposed``, or panels ``[ceil(N / 32), K, 32]`` each when ``width`` (= N) is set (float
+    weights only; a ``QuantizedWeight8bit`` expert keeps its layout)."""
 
     experts: tuple
     transposed: bool = flax.struct.field(pytree_node=False, default=False)
+    width: int | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def shape(self) -> tuple[int, ...]:
         one = tuple(self.experts[0].shape)
+        if self.width is not None:
+            return (len(self.experts), one[1], self.width)
         return (len(self.experts), *(one[::-1] if self.transposed else one))
 
 
 def expert(w, e: int):
     """Expert ``e`` of a stacked MoE weight, or of a split one that is not transposed."""
     if isinstance(w, ExpertWeights):
-        assert not w.transposed, "use expert_matmul for a transposed expert weight"
+        assert not w.transposed and w.width is None, "use expert_matmul for a transposed or panel weight"
         return w.experts[e]
     if is_quantized(w):
         return QuantizedWeight8bit(weight=w.weight[e], scales=w.scales[e])
@@ -52,21 +62,27 @@ def expert(w, e: int):
 
 
 def expert_matmul(x, w, e: int, dtype):
-    """``x [..., K] @ W_e [K, N]`` in ``dtype``, for a stacked, split or transposed weight."""
+    """``x [..., K] @ W_e [K, N]`` in ``dtype``, for a stacked, split, transposed or panel weight."""
+    if isinstance(w, ExpertWeights) and w.width is not None:
+        return panel.panel_matmul(x.astype(jnp.float32), w.experts[e], w.width).astype(dtype)
     if isinstance(w, ExpertWeights) and w.transposed:
         return jax.lax.dot_general(x, w.experts[e].astype(dtype), (((x.ndim - 1,), (1,)), ((), ())))
     return x @ dequantize(expert(w, e), dtype)
 
 
-def split_experts(params):
+def split_experts(params, panels: bool = False):
     """``params`` with every stacked MoE weight replaced by its ``ExpertWeights`` (new buffers;
-    float down projections transposed)."""
+    float down projections transposed). With ``panels``, float32 weights are held in column
+    panels instead, for ``model.panel``'s kernel (its caller checks ``panel.available()``)."""
     from model.sharding import path_str
 
     def split(path, w):
         name = path_str(path)
         if not MOE_WEIGHT.fullmatch(name) or isinstance(w, ExpertWeights):
             return w
+        if panels and not is_quantized(w) and w.dtype == jnp.float32:
+            return ExpertWeights(tuple(jnp.asarray(panel.pack(expert(w, e))) for e in range(w.shape[0])),
+                                 width=w.shape[-1])
         transpose = name.split("/")[-2] in TRANSPOSED and not is_quantized(w)
         experts = tuple(expert(w, e).T if transpose else expert(w, e) for e in range(w.shape[0]))
         return ExpertWeights(experts, transposed=transpose)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from model import panel
 from model.config import ModelConfig
 from model.experts import split_experts
 from model.memory import KVMemory, new_memory
@@ -88,6 +89,11 @@ class ModelRunner:
     # Hold each MoE weight as one buffer per expert (model/experts.py), so decode reads only the
     # selected experts, in place. Default: on CPU, when the rules do not shard the experts axis.
     split_experts: bool | None = None
+    # Hold float32 experts in column panels, multiplied by the C++ kernel of model/panel.py (about
+    # 1.5-2x XLA:CPU's speed for a few rows; BENCHMARKS.md). Default: when split, on a one-device
+    # CPU mesh, with float32 activations, where the kernel builds. True insists (ValueError if not
+    # possible), False keeps XLA's dots.
+    expert_panels: bool | None = None
     tokenizer_path: str | None = dataclasses.field(default=None, init=False)
 
     def initialize(self, mesh: Mesh | None = None, batch_size: int | None = None) -> None:
@@ -106,11 +112,27 @@ class ModelRunner:
         split = self.split_experts
         if split is None:
             split = self.mesh.devices.flat[0].platform == "cpu" and self.rules.get("experts") is None
+        if self.expert_panels and not split:
+            raise ValueError("expert_panels=True needs the experts split (split_experts is False, or the "
+                             "rules shard the experts axis)")
         if split:
-            self.params = split_experts(self.params)
+            self.params = split_experts(self.params, panels=self._expert_panels())
         self.param_shardings = param_shardings(self.params, self.mesh, self.rules)
         self.params = jax.device_put(self.params, self.param_shardings)
         self._build()
+
+    def _expert_panels(self) -> bool:
+        why_not = []
+        if self.mesh.devices.flat[0].platform != "cpu" or self.mesh.size != 1:
+            why_not.append(f"it runs on one CPU device (the mesh has {self.mesh.size} "
+                           f"{self.mesh.devices.flat[0].platform} devices)")
+        if jnp.dtype(self.model.fprop_dtype) != jnp.float32:
+            why_not.append(f"it is float32 (activations are {self.model.fprop_dtype})")
+        if not why_not and self.expert_panels is not False and not panel.available():
+            why_not.append(panel.unavailable_reason())
+        if self.expert_panels and why_not:
+            raise ValueError("expert_panels=True, but the panel kernel cannot be used: " + "; ".join(why_not))
+        return not why_not and self.expert_panels is not False
 
     def _restore(self) -> None:
         from checkpoints import restore

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import TINY, KVMemory, forward, init_params, new_memory
+from model import TINY, KVMemory, forward, init_params, new_memory, panel
 from model.experts import ExpertWeights, split_experts
 from model.layers import MoELayer, group_size, rotary_embedding
 from model.quant import dequantize
@@ -145,11 +145,21 @@ def slow_moe(x_MD, probs_ME, params, top):
     return out
 
 
+def arranged(params, layout):
+    """MoE ``params`` as stored ("stacked"), split per expert, or split into kernel panels."""
+    if layout == "panels" and not panel.available():
+        pytest.skip(f"the panel kernel is unavailable: {panel.unavailable_reason()}")
+    return params if layout == "stacked" else split_experts(params, panels=layout == "panels")
+
+
+LAYOUTS = ["stacked", "split", "panels"]
+
+
 @pytest.mark.parametrize("impl", ["dense", "grouped", "auto"])
 @pytest.mark.parametrize("quantized", [False, True])
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("experts, top", [(4, 2), (1, 1), (3, 3)])
-def test_moe_equals_per_token_loop(impl, quantized, split, experts, top):
+def test_moe_equals_per_token_loop(impl, quantized, layout, experts, top):
     config = dataclasses.replace(TINY, num_experts=experts, num_selected_experts=top)
     layer = MoELayer(config, impl)
     x = jax.random.normal(jax.random.PRNGKey(10), (2, 5, config.emb_size))
@@ -157,14 +167,14 @@ def test_moe_equals_per_token_loop(impl, quantized, split, experts, top):
     params = layer.init(jax.random.PRNGKey(12), x, probs)["params"]
     if quantized:
         params = quantize_params(params, groups=4)
-    used = split_experts({"moe": params})["moe"] if split else params
+    used = arranged({"moe": params}, layout)["moe"]
     got = np.asarray(layer.apply({"params": used}, x, probs)).reshape(10, -1)
     want = slow_moe(np.asarray(x).reshape(10, -1), np.asarray(probs).reshape(10, -1), params, top)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_grouped_moe_loops_when_one_expert_gets_more_than_a_group(split):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_grouped_moe_loops_when_one_expert_gets_more_than_a_group(layout):
     """All 40 tokens routed to experts 0 and 1: their 40 rows exceed one group (group_size rows),
     so the on-device loop runs, and the six idle experts are skipped."""
     config = dataclasses.replace(TINY, num_experts=8, num_selected_experts=2)
@@ -174,7 +184,7 @@ def test_grouped_moe_loops_when_one_expert_gets_more_than_a_group(split):
     logits = jax.random.normal(jax.random.PRNGKey(14), (4, 10, 8)).at[..., :2].add(20.0)
     probs = jax.nn.softmax(logits)
     params = layer.init(jax.random.PRNGKey(15), x, probs)["params"]
-    used = split_experts({"moe": params})["moe"] if split else params
+    used = arranged({"moe": params}, layout)["moe"]
     got = np.asarray(layer.apply({"params": used}, x, probs)).reshape(40, -1)
     want = slow_moe(np.asarray(x).reshape(40, -1), np.asarray(probs).reshape(40, -1), params, 2)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
@@ -188,9 +198,10 @@ def test_split_expert_weights_of_the_wrong_shape_are_rejected(tiny_params):
         forward(split, random_tokens(1, (1, 3)), TINY)
 
 
-def test_split_experts_give_the_same_logits_and_cache(tiny_params):
+@pytest.mark.parametrize("layout", ["split", "panels"])
+def test_split_experts_give_the_same_logits_and_cache(tiny_params, layout):
     tokens = random_tokens(16, (3, 7))
-    split = split_experts(tiny_params)
+    split = arranged(tiny_params, layout)
     np.testing.assert_allclose(np.asarray(forward(split, tokens, TINY).logits),
                                np.asarray(forward(tiny_params, tokens, TINY).logits), atol=1e-5)
     cached, _ = decode_all(split, tokens, prefill_len=3)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from model import GROK_1, TINY, forward, init_params, new_memory
+from model import GROK_1, TINY, forward, init_params, new_memory, panel
 from model.experts import ExpertWeights, split_experts
 from model.plan import abstract_params, memory_plan
 from model.sharding import (DEFAULT_RULES, EXPERT_PARALLEL_RULES, logical_axes, make_mesh, memory_specs, param_specs,
@@ -136,11 +136,14 @@ def test_meshes_match_single_device(shard_params, plain_params, single_device, s
     engine = runner.runner
     assert generate(runner) == want_tokens
     # outputs carry the declared shardings; on CPU the runner holds MoE weights one buffer per
-    # expert, each with the stacked spec less its (unsharded) experts entry
+    # expert, each with the stacked spec less its (unsharded) experts entry, or, on one device,
+    # in panels for the kernel of model/panel.py
     w = engine.params["transformer"]["decoder_layer_1"]["moe"]["linear"]["w"]
     assert isinstance(w, ExpertWeights) and len(w.experts) == SHARD.num_experts
+    panels = mesh.size == 1 and panel.available()
+    assert (w.width is not None) == panels
     for e in w.experts:
-        assert e.sharding.spec == P("data", "model") and e.sharding.mesh.shape == mesh.shape
+        assert e.sharding.spec == (P() if panels else P("data", "model")) and e.sharding.mesh.shape == mesh.shape
     state = runner.state
     assert state.memory.k[0].sharding.spec == P("data", "model", None, None)
     assert state.memory.step.sharding.spec == P("data") and state.tokens.sharding.spec == P("data")
