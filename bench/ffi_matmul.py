@@ -1,6 +1,6 @@
 """Experiment: does a hand-written matmul beat XLA:CPU's dots at decode shapes?
 
-    python -m bench.ffi_matmul [--rows 1,2,4,8,16] [--repeats 9] [--out bench/ffi_matmul.json]
+    python -m bench.ffi_matmul [--rows 1,2,4,8,16,64] [--repeats 9] [--out bench/ffi_matmul.json]
 
 Decode multiplies a few rows (the batch, or an expert's share of it) by weights far bigger than
 the caches, so a step is bound by how fast the weights stream from memory. This builds
@@ -9,8 +9,10 @@ through ``jax.ffi``) with the C++ compiler in ``$CXX`` (default ``g++``) and com
 XLA's own dot on the benchmark config's matmul shapes, both weight layouts: ``NN`` (``x @ w``,
 ``w [K, N]``) and ``NT`` (``x @ w.T``, ``w [N, K]``). Each call runs a chain of distinct weight
 matrices (each step depends on the last, as the layers of a decode step do), so the weights come
-from memory; the figure is weight bytes per second. The runner does not use the kernel.
-Skips (exit 0, saying why) without a C++ compiler.
+from memory; the figure is weight bytes per second. Beside them, ``panels``: the runner's kernel
+(``model/panel.py``), the same register blocking over weights packed in column panels, which it
+reads front to back. The plain-layout kernel here is the experiment that led to it; the runner
+does not use it. Skips (exit 0, saying why) without a C++ compiler.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.__main__ import median_time
+from model import panel
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ffi_matmul.cc")
 # (K, N, matrices per chain): an expert's up and down projections and the tied unembedding of
@@ -67,7 +70,7 @@ def chain(matmul):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--rows", default="1,2,4,8,16,64")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default="bench/ffi_matmul.json")
     args = parser.parse_args(argv)
@@ -85,26 +88,33 @@ def main(argv=None):
         for transposed, wt in ((True, w), (False, w.T)):
             np.testing.assert_allclose(kernel_matmul(x, wt, transposed), x @ w.T, rtol=1e-4, atol=1e-4)
 
-    variants = {"XLA NN": (lambda x, w: x @ w, False), "XLA NT": (lambda x, w: x @ w.T, True),
-                "kernel NN": (lambda x, w: kernel_matmul(x, w, False), False),
-                "kernel NT": (lambda x, w: kernel_matmul(x, w, True), True)}
+    # name -> (matmul(x, w, n), the weight layout it takes)
+    variants = {"XLA NN": (lambda x, w, n: x @ w, "NN"), "XLA NT": (lambda x, w, n: x @ w.T, "NT"),
+                "kernel NN": (lambda x, w, n: kernel_matmul(x, w, False), "NN"),
+                "kernel NT": (lambda x, w, n: kernel_matmul(x, w, True), "NT")}
+    if panel.available():
+        variants["panels"] = (panel.panel_matmul, "panels")
     rows = []
     print(f"{os.cpu_count()} cores, jax {jax.__version__}; GB/s of weights, median of {args.repeats}")
-    print("| rows | K x N | " + " | ".join(variants) + " | best kernel / best XLA |")
-    print("|---:|---|" + "---:|" * (len(variants) + 1))
+    print("| rows | K x N | " + " | ".join(variants) + " | kernel / XLA | panels / XLA |")
+    print("|---:|---|" + "---:|" * (len(variants) + 2))
     for m in (int(r) for r in args.rows.split(",")):
         for k, n, count in SHAPES:
             x = jax.random.normal(key, (m, k))
             nn = [jax.random.normal(jax.random.fold_in(key, i), (k, n)) for i in range(count)]
-            nt = [jnp.asarray(w.T) for w in nn]
+            weights = {"NN": nn, "NT": [jnp.asarray(w.T) for w in nn],
+                       "panels": [jnp.asarray(panel.pack(w)) for w in nn]}
             rates = {}
-            for name, (matmul, transposed) in variants.items():
-                fn, ws = chain(matmul), nt if transposed else nn
-                seconds = median_time(lambda: jax.block_until_ready(fn(x, ws)), args.repeats)
+            for name, (matmul, layout) in variants.items():
+                fn = chain(lambda x, w, f=matmul: f(x, w, n))
+                seconds = median_time(lambda: jax.block_until_ready(fn(x, weights[layout])), args.repeats)
                 rates[name] = count * k * n * 4 / seconds
-            ratio = max(rates["kernel NN"], rates["kernel NT"]) / max(rates["XLA NN"], rates["XLA NT"])
-            rows.append({"rows": m, "K": k, "N": n, "bytes_per_s": rates, "kernel_over_xla": ratio})
-            print(f"| {m} | {k} x {n} | " + " | ".join(f"{r / 1e9:.1f}" for r in rates.values()) + f" | {ratio:.2f}x |",
+            xla = max(rates["XLA NN"], rates["XLA NT"])
+            ratio = max(rates["kernel NN"], rates["kernel NT"]) / xla
+            panels = rates.get("panels", float("nan")) / xla
+            rows.append({"rows": m, "K": k, "N": n, "bytes_per_s": rates, "kernel_over_xla": ratio,
+                         "panels_over_xla": panels})
+            print(f"| {m} | {k} x {n} | " + " | ".join(f"{r / 1e9:.1f}" for r in rates.values()) + f" | {ratio:.2f}x | {panels:.2f}x |",
                   flush=True)
     with open(args.out, "w") as f:
         json.dump({"cores": os.cpu_count(), "jax": jax.__version__, "rows": rows}, f, indent=1)
