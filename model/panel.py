@@ -1,4 +1,5 @@
-"""Weights packed in column panels and the CPU kernel that multiplies by them.
+"""Weights packed in column panels and the CPU kernel that multiplies by them (the runner's
+layout for the MoE experts and the tied embedding on one CPU device).
 
 A weight ``w [K, N]`` is held as ``[ceil(N / 32), K, 32]``: panel p is columns ``32p .. 32p+31``
 (zero past N), one contiguous run. ``panel_matmul`` multiplies by it with the custom call of
@@ -24,6 +25,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,3 +108,46 @@ def panel_matmul(x, panels, n: int):
     if reason is not None:
         raise RuntimeError(f"the panel kernel is unavailable: {reason}")
     return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32))(x, panels)
+
+
+@flax.struct.dataclass
+class PanelTable:
+    """The tied embedding ``[V, D]`` held as the panels of its transpose, ``[ceil(V / 32), D, 32]``:
+    the unembedding ``h @ table.T`` runs on the kernel, and a lookup of row v reads
+    ``panels[v // 32, :, v % 32]``, so the table is not held twice."""
+
+    panels: jax.Array
+    vocab_size: int = flax.struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.vocab_size, self.panels.shape[1])
+
+    @classmethod
+    def of(cls, table) -> PanelTable:
+        return cls(jnp.asarray(pack(np.asarray(table).T)), vocab_size=table.shape[0])
+
+    def lookup(self, tokens):
+        """Rows ``tokens`` of the table: ``[..., D]``."""
+        return self.panels[tokens // PANEL, :, tokens % PANEL]
+
+    def unembed(self, h):
+        """``h [..., D] @ table.T``: ``[..., V]`` in float32."""
+        return panel_matmul(h.astype(jnp.float32), self.panels, self.vocab_size)
+
+
+EMBEDDING = ("language_model", "in_out_embed", "embeddings")
+
+
+def pack_embedding(params):
+    """``params`` with a float32 tied embedding held as a ``PanelTable`` (others unchanged)."""
+    node = params
+    for key in EMBEDDING[:-1]:
+        node = node.get(key) if isinstance(node, dict) else None
+    table = node.get(EMBEDDING[-1]) if isinstance(node, dict) else None
+    if not hasattr(table, "dtype") or table.dtype != jnp.float32:
+        return params
+    out = dict(params)
+    out[EMBEDDING[0]] = dict(params[EMBEDDING[0]])
+    out[EMBEDDING[0]][EMBEDDING[1]] = {**params[EMBEDDING[0]][EMBEDDING[1]], EMBEDDING[2]: PanelTable.of(table)}
+    return out

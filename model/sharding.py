@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.experts import ExpertWeights
+from model.panel import PanelTable
 from model.quant import QuantizedWeight8bit
 
 MESH_AXES = ("data", "model")
@@ -126,6 +127,11 @@ def param_specs(params, rules: dict | None = None, mesh: Mesh | None = None):
     rules = DEFAULT_RULES if rules is None else rules
 
     def leaf_spec(name, axes, leaf):
+        if isinstance(leaf, PanelTable):  # for one device, as panel experts below
+            if mesh is not None and mesh.size > 1:
+                raise ValueError(f"{name}: held in panels for the CPU kernel, which runs on one device; "
+                                 f"the mesh has {mesh.size}")
+            return leaf.replace(panels=P())
         spec = spec_for(axes, rules)
         if isinstance(leaf, ExpertWeights):
             if spec[0] is not None:
@@ -156,7 +162,7 @@ def param_specs(params, rules: dict | None = None, mesh: Mesh | None = None):
         return leaf_spec(name, logical_axes(name), leaf)
 
     return jax.tree_util.tree_map_with_path(
-        spec_at, params, is_leaf=lambda x: isinstance(x, (QuantizedWeight8bit, ExpertWeights)))
+        spec_at, params, is_leaf=lambda x: isinstance(x, (QuantizedWeight8bit, ExpertWeights, PanelTable)))
 
 
 def param_shardings(params, mesh: Mesh, rules: dict | None = None):

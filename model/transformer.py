@@ -19,6 +19,7 @@ import numpy as np
 from model.config import ModelConfig
 from model.layers import RESIDUAL, DecoderLayer, RMSNorm
 from model.memory import KVMemory
+from model.panel import PanelTable
 from model.quant import dequantize
 from model.sharding import constrain
 
@@ -36,8 +37,15 @@ class InOutEmbed(nn.Module):
     emb_size: int
 
     def setup(self):
-        self.embeddings = self.param(
-            "embeddings", nn.initializers.normal(1.0), (self.vocab_size, self.emb_size), jnp.float32)
+        held = self.get_variable("params", "embeddings") if self.has_variable("params", "embeddings") else None
+        if isinstance(held, PanelTable):  # the runner's CPU layout; Flax's shape check sees arrays only
+            if held.shape != (self.vocab_size, self.emb_size):
+                raise ValueError(f"{self.scope.path_text}/embeddings: panels hold a {held.shape} table, "
+                                 f"the config needs {(self.vocab_size, self.emb_size)}")
+            self.embeddings = held
+        else:
+            self.embeddings = self.param(
+                "embeddings", nn.initializers.normal(1.0), (self.vocab_size, self.emb_size), jnp.float32)
 
 
 class LanguageModelHead(nn.Module):
@@ -53,14 +61,20 @@ class LanguageModelHead(nn.Module):
         c = self.config
         table_VD = self.in_out_embed.embeddings
         # Grok-1: look up in the stored dtype, cast, then scale by sqrt(D) in the activation dtype.
-        x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(c.dtype)
+        if isinstance(table_VD, PanelTable):
+            x_BTD = table_VD.lookup(tokens_BT).astype(c.dtype)
+        else:
+            x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(c.dtype)
         return constrain(x_BTD * jnp.asarray(c.embedding_multiplier_scale, c.dtype), RESIDUAL)
 
     def unembed(self, h_BTD):
         c = self.config
         h_BTD = self.rms_norm(h_BTD)
-        table_VD = dequantize(self.in_out_embed.embeddings, c.dtype)
-        logits_BTV = jnp.einsum("BTD,VD->BTV", h_BTD, table_VD)
+        table_VD = self.in_out_embed.embeddings
+        if isinstance(table_VD, PanelTable):
+            logits_BTV = table_VD.unembed(h_BTD).astype(c.dtype)
+        else:
+            logits_BTV = jnp.einsum("BTD,VD->BTV", h_BTD, dequantize(table_VD, c.dtype))
         logits_BTV = constrain(logits_BTV, ("batch", "seq", "act_vocab"))
         return (logits_BTV * c.output_multiplier_scale).astype(jnp.float32)
 

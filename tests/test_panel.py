@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import TINY, init_params, panel
+from model import TINY, forward, init_params, panel
 from model.experts import ExpertWeights
 from model.sharding import make_mesh
 from runner import ModelRunner
@@ -54,6 +54,27 @@ def test_panel_matmul_rejects_what_it_cannot_do():
         panel.panel_matmul(jnp.zeros((1, 16), jnp.float32), panels, 65)
 
 
+@needs_kernel
+def test_embedding_in_panels_gives_the_same_logits_and_rows():
+    config = dataclasses.replace(TINY, vocab_size=333)  # not a multiple of 32: a ragged last panel
+    params = init_params(config, jax.random.PRNGKey(0))
+    packed = panel.pack_embedding(params)
+    table = packed["language_model"]["in_out_embed"]["embeddings"]
+    assert isinstance(table, panel.PanelTable) and table.shape == (333, config.emb_size)
+    ids = jnp.array([[0, 31, 32, 332], [5, 64, 300, 1]])
+    np.testing.assert_array_equal(table.lookup(ids), params["language_model"]["in_out_embed"]["embeddings"][ids])
+    tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(1), (2, 9), 1, 333))
+    np.testing.assert_allclose(forward(packed, tokens, config).logits, forward(params, tokens, config).logits,
+                               atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_embedding_panels_of_the_wrong_vocabulary_are_rejected():
+    params = panel.pack_embedding(init_params(TINY, jax.random.PRNGKey(0)))
+    with pytest.raises(ValueError, match="panels hold a"):
+        forward(params, np.ones((1, 3), np.int32), dataclasses.replace(TINY, vocab_size=TINY.vocab_size + 32))
+
+
 def _moe_weight(engine):
     return engine.params["transformer"]["decoder_layer_0"]["moe"]["linear"]["w"]
 
@@ -66,6 +87,7 @@ def test_runner_holds_float32_experts_in_panels_on_one_cpu_device():
     w = _moe_weight(engine)
     assert isinstance(w, ExpertWeights) and w.width == TINY.ffn_size
     assert w.shape == (TINY.num_experts, TINY.emb_size, TINY.ffn_size)
+    assert isinstance(engine.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
 
 
 def test_runner_keeps_xla_dots_where_the_kernel_does_not_apply():
@@ -80,6 +102,7 @@ def test_runner_keeps_xla_dots_where_the_kernel_does_not_apply():
     sharded = ModelRunner(model=TINY, params=params, mesh=mesh)
     sharded.initialize()
     assert _moe_weight(sharded).width is None
+    assert not isinstance(sharded.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
     with pytest.raises(ValueError, match="one CPU device"):
         ModelRunner(model=TINY, params=params, mesh=mesh, expert_panels=True).initialize()
     with pytest.raises(ValueError, match="needs the experts split"):
