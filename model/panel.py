@@ -55,18 +55,21 @@ def _build() -> str | None:
     key = hashlib.sha256(source + jax.__version__.encode() + _cpu_id().encode() + cxx.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("GROK_RUNNER_KERNEL_CACHE", "~/.cache/grok-runner/kernels")).expanduser()
     lib = cache / f"panel_matmul-{key}.so"
-    if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-               f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            return f"building {SOURCE.name} failed: {proc.stderr.strip()[-500:]}"
-        os.replace(tmp, lib)  # atomic: a concurrent build never sees half a library
-    handler = ctypes.cdll.LoadLibrary(str(lib)).panel_matmul
+    try:
+        if not lib.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+            os.close(fd)
+            cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
+                   f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                os.unlink(tmp)
+                return f"building {SOURCE.name} failed: {proc.stderr.strip()[-500:]}"
+            os.replace(tmp, lib)  # atomic: a concurrent build never sees half a library
+        handler = ctypes.cdll.LoadLibrary(str(lib)).panel_matmul
+    except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash, bad library
+        return f"building or loading {lib} failed: {e}"
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
     return None
 

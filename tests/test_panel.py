@@ -107,3 +107,14 @@ def test_runner_keeps_xla_dots_where_the_kernel_does_not_apply():
         ModelRunner(model=TINY, params=params, mesh=mesh, expert_panels=True).initialize()
     with pytest.raises(ValueError, match="needs the experts split"):
         ModelRunner(model=TINY, params=params, split_experts=False, expert_panels=True).initialize()
+
+
+def test_without_the_kernel_the_runner_keeps_xla_dots(monkeypatch):
+    monkeypatch.setattr(panel, "_build", lambda: "no C++ compiler found (test)")
+    params = init_params(TINY, jax.random.PRNGKey(0))
+    engine = ModelRunner(model=TINY, params=params)
+    engine.initialize()
+    assert _moe_weight(engine).width is None
+    assert not isinstance(engine.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
+        ModelRunner(model=TINY, params=params, expert_panels=True).initialize()
