@@ -126,22 +126,23 @@ def param_specs(params, rules: dict | None = None, mesh: Mesh | None = None):
     """
     rules = DEFAULT_RULES if rules is None else rules
 
+    def one_device(name):
+        """Panels are for the CPU kernel, which runs on one device (the runner packs on no other mesh)."""
+        if mesh is not None and mesh.size > 1:
+            raise ValueError(f"{name}: held in panels for the CPU kernel, which runs on one device; "
+                             f"the mesh has {mesh.size}")
+        return P()
+
     def leaf_spec(name, axes, leaf):
-        if isinstance(leaf, PanelTable):  # for one device, as panel experts below
-            if mesh is not None and mesh.size > 1:
-                raise ValueError(f"{name}: held in panels for the CPU kernel, which runs on one device; "
-                                 f"the mesh has {mesh.size}")
-            return leaf.replace(panels=P())
+        if isinstance(leaf, PanelTable):
+            return leaf.replace(panels=one_device(name))
         spec = spec_for(axes, rules)
         if isinstance(leaf, ExpertWeights):
             if spec[0] is not None:
                 raise ValueError(f"{name}: split per expert, so its experts axis cannot be sharded "
                                  f"(rules map 'experts' to {spec[0]!r}); keep the weight stacked")
-            if leaf.width is not None:  # panels: for one device (the runner packs on no other mesh)
-                if mesh is not None and mesh.size > 1:
-                    raise ValueError(f"{name}: held in panels for the CPU kernel, which runs on one device; "
-                                     f"the mesh has {mesh.size}")
-                return leaf.replace(experts=tuple(P() for _ in leaf.experts))
+            if leaf.width is not None:
+                return leaf.replace(experts=tuple(one_device(name) for _ in leaf.experts))
             one = axes[1:][::-1] if leaf.transposed else axes[1:]
             return ExpertWeights(tuple(leaf_spec(f"{name}/{e}", one, w) for e, w in enumerate(leaf.experts)),
                                  transposed=leaf.transposed)

@@ -89,10 +89,10 @@ class ModelRunner:
     # Hold each MoE weight as one buffer per expert (model/experts.py), so decode reads only the
     # selected experts, in place. Default: on CPU, when the rules do not shard the experts axis.
     split_experts: bool | None = None
-    # Hold float32 experts and the tied embedding in column panels, multiplied by the C++ kernel of
-    # model/panel.py (about 1.5-2x XLA:CPU's speed for a few rows; BENCHMARKS.md). Default: when split, on a one-device
-    # CPU mesh, with float32 activations, where the kernel builds. True insists (ValueError if not
-    # possible), False keeps XLA's dots.
+    # Hold float32 experts and the tied embedding in column panels, multiplied by the C++ kernel
+    # of model/panel.py (about 1.5-2x XLA:CPU's speed for a few rows; BENCHMARKS.md). Default:
+    # when split, on a one-device CPU mesh, with float32 activations, where the kernel builds.
+    # True insists (ValueError if not possible), False keeps XLA's dots.
     expert_panels: bool | None = None
     tokenizer_path: str | None = dataclasses.field(default=None, init=False)
 
