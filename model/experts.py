@@ -8,9 +8,10 @@ forms hold the same values and the model accepts either; checkpoints and the sha
 the stacked form, and a split weight takes its spec without the ``experts`` entry (so it cannot
 be expert-sharded).
 
-On one CPU device, float32 experts can also be held in column panels (``split_experts(params,
-panels=True)``), multiplied by the C++ kernel of ``model/panel.py``: it streams a panel front to
-back where XLA:CPU's dots of a few rows read weights at half the speed (BENCHMARKS.md).
+On one CPU device, float32 experts can instead be held in column panels (``split_experts(params,
+panels=True)``: a ``panel.PanelWeight`` of all experts), multiplied by the C++ kernel of ``model/panel.py``: it
+streams a panel front to back where XLA:CPU's dots of a few rows read weights at half the speed,
+and it takes every expert's rows in one call (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -35,26 +36,22 @@ TRANSPOSED = ("linear_1",)
 
 @flax.struct.dataclass
 class ExpertWeights:
-    """One MoE weight ``[E, K, N]`` as E separate arrays: ``[K, N]`` each, ``[N, K]`` each when
-    ``transposed``, or panels ``[ceil(N / 32), K, 32]`` each when ``width`` (= N) is set (float
-    weights only; a ``QuantizedWeight8bit`` expert keeps its layout)."""
+    """One MoE weight ``[E, K, N]`` as E separate arrays: ``[K, N]`` each, or ``[N, K]`` each when
+    ``transposed`` (float weights only; a ``QuantizedWeight8bit`` expert keeps its layout)."""
 
     experts: tuple
     transposed: bool = flax.struct.field(pytree_node=False, default=False)
-    width: int | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def shape(self) -> tuple[int, ...]:
         one = tuple(self.experts[0].shape)
-        if self.width is not None:
-            return (len(self.experts), one[1], self.width)
         return (len(self.experts), *(one[::-1] if self.transposed else one))
 
 
 def expert(w, e: int):
     """Expert ``e`` of a stacked MoE weight, or of a split one that is not transposed."""
     if isinstance(w, ExpertWeights):
-        assert not w.transposed and w.width is None, "use expert_matmul for a transposed or panel weight"
+        assert not w.transposed, "use expert_matmul for a transposed weight"
         return w.experts[e]
     if is_quantized(w):
         return QuantizedWeight8bit(weight=w.weight[e], scales=w.scales[e])
@@ -62,9 +59,7 @@ def expert(w, e: int):
 
 
 def expert_matmul(x, w, e: int, dtype):
-    """``x [..., K] @ W_e [K, N]`` in ``dtype``, for a stacked, split, transposed or panel weight."""
-    if isinstance(w, ExpertWeights) and w.width is not None:
-        return panel.panel_matmul(x.astype(jnp.float32), w.experts[e], w.width).astype(dtype)
+    """``x [..., K] @ W_e [K, N]`` in ``dtype``, for a stacked, split or transposed weight."""
     if isinstance(w, ExpertWeights) and w.transposed:
         return jax.lax.dot_general(x, w.experts[e].astype(dtype), (((x.ndim - 1,), (1,)), ((), ())))
     return x @ dequantize(expert(w, e), dtype)
@@ -72,20 +67,19 @@ def expert_matmul(x, w, e: int, dtype):
 
 def split_experts(params, panels: bool = False):
     """``params`` with every stacked MoE weight replaced by its ``ExpertWeights`` (new buffers;
-    float down projections transposed). With ``panels``, float32 weights are held in column
-    panels instead, for ``model.panel``'s kernel (its caller checks ``panel.available()``)."""
+    float down projections transposed). With ``panels``, float32 weights become a ``panel.PanelWeight``
+    instead, for ``model.panel``'s kernel (its caller checks ``panel.available()``)."""
     from model.sharding import path_str
 
     def split(path, w):
         name = path_str(path)
-        if not MOE_WEIGHT.fullmatch(name) or isinstance(w, ExpertWeights):
+        if not MOE_WEIGHT.fullmatch(name) or isinstance(w, (ExpertWeights, panel.PanelWeight)):
             return w
         if panels and not is_quantized(w) and w.dtype == jnp.float32:
-            return ExpertWeights(tuple(jnp.asarray(panel.pack(expert(w, e))) for e in range(w.shape[0])),
-                                 width=w.shape[-1])
+            return panel.PanelWeight.of(w)
         transpose = name.split("/")[-2] in TRANSPOSED and not is_quantized(w)
         experts = tuple(expert(w, e).T if transpose else expert(w, e) for e in range(w.shape[0]))
         return ExpertWeights(experts, transposed=transpose)
 
     return jax.tree_util.tree_map_with_path(
-        split, params, is_leaf=lambda x: isinstance(x, (QuantizedWeight8bit, ExpertWeights)))
+        split, params, is_leaf=lambda x: isinstance(x, (QuantizedWeight8bit, ExpertWeights, panel.PanelWeight)))

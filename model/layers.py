@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
+from model import panel
 from model.experts import ExpertWeights, expert_matmul
 from model.quant import dequantize
 from model.sharding import constrain
@@ -46,7 +47,7 @@ class Weight(nn.Module):
     def __call__(self):
         if self.has_variable("params", "w"):
             w = self.get_variable("params", "w")
-            if isinstance(w, ExpertWeights):  # Flax's own shape check compares stacked leaves only
+            if isinstance(w, (ExpertWeights, panel.PanelWeight)):  # Flax's own shape check compares stacked leaves only
                 if w.shape != tuple(self.shape):
                     raise ValueError(f"{self.scope.path_text}/w: split expert weights have shape "
                                      f"{w.shape}, the config needs {tuple(self.shape)}")
@@ -95,14 +96,12 @@ class MultiHeadAttention(nn.Module):
         d, n, k, h, g = c.emb_size, c.num_q_heads, c.num_kv_heads, c.key_size, c.q_per_kv
         dtype = x_BTD.dtype
         b, t, _ = x_BTD.shape
-        wq_DNH = dequantize(Weight((d, n * h), name="query")(), dtype).reshape(d, n, h)
-        wk_DKH = dequantize(Weight((d, k * h), name="key")(), dtype).reshape(d, k, h)
-        wv_DKH = dequantize(Weight((d, k * h), name="value")(), dtype).reshape(d, k, h)
-        wo_ND = dequantize(Weight((n * h, d), name="linear")(), dtype)
-
-        q_BTNH = constrain(jnp.einsum("BTD,DNH->BTNH", x_BTD, wq_DNH), ("batch", "seq", "act_heads", "head_dim"))
-        k_BTKH = constrain(jnp.einsum("BTD,DKH->BTKH", x_BTD, wk_DKH), ("batch", "seq", "act_kv_heads", "head_dim"))
-        v_BTKH = constrain(jnp.einsum("BTD,DKH->BTKH", x_BTD, wv_DKH), ("batch", "seq", "act_kv_heads", "head_dim"))
+        q_BTNH = constrain(_project(x_BTD, Weight((d, n * h), name="query")(), dtype).reshape(b, t, n, h),
+                           ("batch", "seq", "act_heads", "head_dim"))
+        k_BTKH = constrain(_project(x_BTD, Weight((d, k * h), name="key")(), dtype).reshape(b, t, k, h),
+                           ("batch", "seq", "act_kv_heads", "head_dim"))
+        v_BTKH = constrain(_project(x_BTD, Weight((d, k * h), name="value")(), dtype).reshape(b, t, k, h),
+                           ("batch", "seq", "act_kv_heads", "head_dim"))
         # The same positions (cache step + t) rotate queries and keys.
         q_BTNH = rotary_embedding(q_BTNH, positions_BT, c.rope_base)
         k_BTKH = rotary_embedding(k_BTKH, positions_BT, c.rope_base)
@@ -133,8 +132,15 @@ class MultiHeadAttention(nn.Module):
         weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dtype)  # softmax in float32
         # per (row, KV head) a plain [G*T, S] @ [S, H] matmul; the small result is transposed after
         out_BTKGH = jnp.einsum("BKGTS,BKSH->BKGTH", weights_BKGTS, v_BKSH).transpose(0, 3, 1, 2, 4)
-        out_BTD = jnp.einsum("BTM,MD->BTD", out_BTKGH.reshape(b, t, n * h), wo_ND)
+        out_BTD = _project(out_BTKGH.reshape(b, t, n * h), Weight((n * h, d), name="linear")(), dtype)
         return out_BTD, cache
+
+
+def _project(x_BTM, w, dtype):
+    """``x @ w`` for a float, int8 or panel (``panel.PanelWeight``, float32) weight ``[M, N]``."""
+    if isinstance(w, panel.PanelWeight):
+        return panel.panel_matmul(x_BTM.astype(jnp.float32), w.panels, w.width).astype(dtype)
+    return jnp.einsum("BTM,MN->BTN", x_BTM, dequantize(w, dtype))
 
 
 def _batched(x, w):
@@ -184,10 +190,12 @@ class MoELayer(nn.Module):
       skipped, its weights never read. The needed FLOPs up to padding, and at decode only the
       selected experts' bytes. Inference only (the loop has no reverse-mode gradient).
 
-    ``"auto"`` picks ``grouped`` when the weights are split per expert (``ExpertWeights``: the
-    runner's CPU layout) or for a single token; else ``dense``, which reads stacked weights in
-    place (XLA:CPU copies a stacked expert it slices out). ``python -m bench.moe`` measures all
-    four combinations (BENCHMARKS.md).
+    ``"auto"`` picks ``grouped`` when the weights are split per expert (``ExpertWeights``) or in
+    panels (``panel.PanelWeight``): the runner's CPU layouts, or for a single token; else ``dense``, which reads
+    stacked weights in place (XLA:CPU copies a stacked expert it slices out). ``python -m
+    bench.moe`` measures the combinations (BENCHMARKS.md). In panels both run on
+    ``panel.grouped_matmul``: ``grouped`` as one call per weight for all experts' rows, exactly
+    the routed rows with no padding; ``dense`` with every token in every expert's group.
     """
 
     config: ModelConfig
@@ -210,14 +218,22 @@ class MoELayer(nn.Module):
         idx_Mk = idx_BTk.reshape(b * t, top)
         x_MD = x_BTD.reshape(b * t, d)
         split = isinstance(w_gate, ExpertWeights)
+        panels = [isinstance(w, panel.PanelWeight) for w in (w_gate, w_up, w_down)]
+        if any(panels) and not all(panels):
+            raise ValueError(f"{self.scope.path_text}: either all or none of the expert weights must be "
+                             f"in panels, got {[type(w).__name__ for w in (w_gate, w_up, w_down)]}")
 
         impl = self.impl
         if impl == "auto":
-            impl = "grouped" if split or b * t == 1 else "dense"
-        if impl == "grouped":
+            impl = "grouped" if split or all(panels) or b * t == 1 else "dense"
+        if impl not in ("grouped", "dense"):
+            raise ValueError(f"MoELayer.impl must be 'auto', 'grouped' or 'dense', got {self.impl!r}")
+        if all(panels):
+            out_MD = _panel_moe(x_MD, gates_Mk, idx_Mk, (w_gate, w_up, w_down), e, impl == "dense")
+        elif impl == "grouped":
             out_MD = _grouped_moe(x_MD, gates_Mk, idx_Mk, (w_gate, w_up, w_down), e,
                                   group_size(b * t, c), dtype)
-        elif impl == "dense":
+        else:
             # combine[m, e] = gate of expert e for token m (0 where not selected)
             combine_ME = jnp.einsum("Mk,MkE->ME", gates_Mk, jax.nn.one_hot(idx_Mk, e, dtype=dtype))
             if split:  # one plain matmul per expert buffer
@@ -226,8 +242,6 @@ class MoELayer(nn.Module):
                 x_EMD = jnp.broadcast_to(x_MD, (e, b * t, d))
                 y_EMD = _geglu(x_EMD, *(dequantize(w, dtype) for w in (w_gate, w_up, w_down)))
             out_MD = jnp.einsum("ME,EMD->MD", combine_ME, y_EMD)
-        else:
-            raise ValueError(f"MoELayer.impl must be 'auto', 'grouped' or 'dense', got {self.impl!r}")
         return out_MD.reshape(b, t, d).astype(dtype)
 
 
@@ -265,6 +279,38 @@ def _grouped_moe(x_MD, gates_Mk, idx_Mk, weights, num_experts: int, rows: int, d
         else:  # one body for all groups keeps the compile time of a layer down
             out_MD = jax.lax.fori_loop(0, -(-counts_E[i] // rows), group, out_MD)
     return out_MD
+
+
+def _panel_moe(x_MD, gates_Mk, idx_Mk, weights, num_experts: int, dense: bool):
+    """The MoE on experts in panels (``panel.PanelWeight``): each weight is one ``panel.grouped_matmul`` over the rows of
+    every expert at once (float32).
+
+    ``grouped``: the (token, slot) pairs sorted by expert (a stable sort) are the rows, so an
+    expert gets exactly its tokens, one no token chose is never read, and each expert's weight is
+    read once however many rows it has. ``dense``: every token is a row of every expert's group,
+    combined by the gates after. Each token's result depends on its own rows only.
+    """
+    m, d = x_MD.shape
+    top = idx_Mk.shape[1]
+    gate, up, down = weights
+    x_MD = x_MD.astype(jnp.float32)
+
+    def geglu(x_RD, sizes_E):
+        hidden = (jax.nn.gelu(panel.grouped_matmul(x_RD, gate.panels, sizes_E, gate.width), approximate=True)
+                  * panel.grouped_matmul(x_RD, up.panels, sizes_E, up.width))
+        return panel.grouped_matmul(hidden, down.panels, sizes_E, down.width)
+
+    if dense:
+        y_EMD = geglu(jnp.tile(x_MD, (num_experts, 1)), jnp.full((num_experts,), m, jnp.int32))
+        combine_ME = jnp.einsum("Mk,MkE->ME", gates_Mk.astype(jnp.float32),
+                                jax.nn.one_hot(idx_Mk, num_experts, dtype=jnp.float32))
+        return jnp.einsum("ME,EMD->MD", combine_ME, y_EMD.reshape(num_experts, m, d))
+    expert_P = idx_Mk.reshape(-1)  # P = (token, slot) pairs; a token picks an expert at most once
+    order_R = jnp.argsort(expert_P, stable=True)
+    sizes_E = jnp.zeros((num_experts,), jnp.int32).at[expert_P].add(1)
+    tok_R = order_R // top
+    y_RD = geglu(x_MD[tok_R], sizes_E) * gates_Mk.reshape(-1)[order_R][:, None].astype(jnp.float32)
+    return jnp.zeros((m, d), jnp.float32).at[tok_R].add(y_RD)
 
 
 class DecoderLayer(nn.Module):

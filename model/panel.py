@@ -20,6 +20,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -33,6 +34,7 @@ import numpy as np
 PANEL = 32
 SOURCE = Path(__file__).with_name("panel_matmul.cc")
 _TARGET = "grok_runner_panel_matmul"
+_GROUPED = "grok_runner_grouped_panel_matmul"
 
 
 def _cpu_id() -> str:
@@ -67,10 +69,12 @@ def _build() -> str | None:
                 os.unlink(tmp)
                 return f"building {SOURCE.name} failed: {proc.stderr.strip()[-500:]}"
             os.replace(tmp, lib)  # atomic: a concurrent build never sees half a library
-        handler = ctypes.cdll.LoadLibrary(str(lib)).panel_matmul
-    except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash, bad library
+        library = ctypes.cdll.LoadLibrary(str(lib))
+        handlers = {_TARGET: library.panel_matmul, _GROUPED: library.grouped_panel_matmul}
+    except (OSError, AttributeError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash, bad library
         return f"building or loading {lib} failed: {e}"
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    for name, handler in handlers.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
     return None
 
 
@@ -84,13 +88,13 @@ def unavailable_reason() -> str | None:
 
 
 def pack(w) -> np.ndarray:
-    """``w [K, N]`` as panels ``[ceil(N / 32), K, 32]`` (a new host array; zero past N)."""
+    """``w [..., K, N]`` as panels ``[..., ceil(N / 32), K, 32]`` (a new host array; zero past N)."""
     w = np.asarray(w, np.float32)
-    k, n = w.shape
+    *lead, k, n = w.shape
     panels = -(-n // PANEL)
-    padded = np.zeros((k, panels * PANEL), np.float32)
-    padded[:, :n] = w
-    return np.ascontiguousarray(padded.reshape(k, panels, PANEL).transpose(1, 0, 2))
+    padded = np.zeros((*lead, k, panels * PANEL), np.float32)
+    padded[..., :n] = w
+    return np.ascontiguousarray(np.moveaxis(padded.reshape(*lead, k, panels, PANEL), -2, -3))
 
 
 def unpack(panels, n: int):
@@ -111,6 +115,49 @@ def panel_matmul(x, panels, n: int):
     if reason is not None:
         raise RuntimeError(f"the panel kernel is unavailable: {reason}")
     return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32))(x, panels)
+
+
+def grouped_matmul(x, panels, sizes, n: int):
+    """Rows grouped by expert, each group times its own expert's weight: ``x [R, K]`` holds
+    ``sizes[0]`` rows for expert 0, then ``sizes[1]`` rows for expert 1, ...; the result
+    ``[R, n]`` has ``x[rows of e] @ w_e`` there and zeros in the rows past the last group.
+    ``panels [E, P, K, 32]`` are every expert's panels. ``sizes`` (int32 ``[E]``) may be traced;
+    they must be non-negative and sum to at most R (the kernel fails otherwise). An expert with
+    no rows is never read; one with many reads its weight once for all of them."""
+    if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
+        raise ValueError(f"grouped_matmul is float32 only, got x {x.dtype} and panels {panels.dtype}")
+    if x.ndim != 2 or panels.ndim != 4 or panels.shape[3] != PANEL or x.shape[1] != panels.shape[2]:
+        raise ValueError(f"x {x.shape} does not match expert panels {panels.shape} ([R, K] and [E, P, K, {PANEL}])")
+    if sizes.shape != (panels.shape[0],):
+        raise ValueError(f"sizes {sizes.shape} must have one entry per expert ({panels.shape[0]})")
+    if not (panels.shape[1] - 1) * PANEL < n <= panels.shape[1] * PANEL:
+        raise ValueError(f"n={n} is not the width of {panels.shape[1]} panels of {PANEL}")
+    reason = _build()
+    if reason is not None:
+        raise RuntimeError(f"the panel kernel is unavailable: {reason}")
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(_GROUPED, out)(x, panels, sizes.astype(jnp.int32))
+
+
+@flax.struct.dataclass
+class PanelWeight:
+    """A float32 weight ``[..., K, N]`` held as column panels ``[..., ceil(N / 32), K, 32]``: a
+    plain weight (``[K, N]``, for ``panel_matmul``) or stacked experts (``[E, K, N]``, for
+    ``grouped_matmul``, which reads each expert in place)."""
+
+    panels: jax.Array
+    width: int = flax.struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.panels.shape[:-3], self.panels.shape[-2], self.width)
+
+    @classmethod
+    def of(cls, w) -> PanelWeight:
+        return cls(jnp.asarray(pack(w)), width=w.shape[-1])
+
+    def __matmul__(self, x):
+        raise TypeError("use panel_matmul(x, w.panels, w.width): x @ PanelWeight is not defined")
 
 
 @flax.struct.dataclass
@@ -139,18 +186,24 @@ class PanelTable:
         return panel_matmul(h.astype(jnp.float32), self.panels, self.vocab_size)
 
 
-EMBEDDING = ("language_model", "in_out_embed", "embeddings")
+EMBEDDING = "language_model/in_out_embed/embeddings"
+ATTENTION = re.compile(r"(.*/)?multi_head_attention/(query|key|value|linear)/w")
 
 
-def pack_embedding(params):
-    """``params`` with a float32 tied embedding held as a ``PanelTable`` (others unchanged)."""
-    node = params
-    for key in EMBEDDING[:-1]:
-        node = node.get(key) if isinstance(node, dict) else None
-    table = node.get(EMBEDDING[-1]) if isinstance(node, dict) else None
-    if not hasattr(table, "dtype") or table.dtype != jnp.float32:
-        return params
-    out = dict(params)
-    out[EMBEDDING[0]] = dict(params[EMBEDDING[0]])
-    out[EMBEDDING[0]][EMBEDDING[1]] = {**params[EMBEDDING[0]][EMBEDDING[1]], EMBEDDING[2]: PanelTable.of(table)}
-    return out
+def pack_params(params):
+    """``params`` with the float32 tied embedding held as a ``PanelTable`` and the float32
+    attention projections as ``PanelWeight`` (others unchanged; the MoE experts are packed by
+    ``model.experts.split_experts``)."""
+    from model.sharding import path_str
+
+    def one(path, w):
+        if not hasattr(w, "dtype") or w.dtype != jnp.float32:
+            return w
+        name = path_str(path)
+        if name == EMBEDDING:
+            return PanelTable.of(w)
+        if ATTENTION.fullmatch(name) and w.ndim == 2:
+            return PanelWeight.of(w)
+        return w
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: hasattr(x, "dtype"))

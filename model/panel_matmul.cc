@@ -16,6 +16,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -24,7 +25,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kPanel = 32;
-using Panels = ffi::Buffer<ffi::F32, 3>;  // an alias: a macro argument cannot hold the comma
+using Panels = ffi::Buffer<ffi::F32, 3>;  // aliases: a macro argument cannot hold the comma
+using ExpertPanels = ffi::Buffer<ffi::F32, 4>;
+using Rows = ffi::Buffer<ffi::F32, 2>;
+using Sizes = ffi::Buffer<ffi::S32, 1>;
 typedef float v16 __attribute__((vector_size(64)));  // GCC/Clang vector extension: AVX-512 or 2 x AVX2
 
 inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
@@ -58,13 +62,23 @@ void panel(const float* x, const float* w, float* out, int64_t m0, int64_t n, in
   }
 }
 
+// All rows against panels p0 .. p1: 8 rows at a time, and the last 1 to 12 in one pass (up to
+// 24 accumulators of the 32 vector registers), so each panel is read once per 8 rows at most.
 void panels(const float* x, const float* w, float* out, int64_t rows, int64_t n, int64_t k, int64_t p0,
             int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     int64_t m = 0;
-    for (; m + 8 <= rows; m += 8) panel<8>(x, w, out, m, n, k, p);
-    if (rows - m >= 4) panel<4>(x, w, out, m, n, k, p), m += 4;
+    for (; rows - m > 12; m += 8) panel<8>(x, w, out, m, n, k, p);
     switch (rows - m) {
+      case 12: panel<12>(x, w, out, m, n, k, p); break;
+      case 11: panel<11>(x, w, out, m, n, k, p); break;
+      case 10: panel<10>(x, w, out, m, n, k, p); break;
+      case 9: panel<9>(x, w, out, m, n, k, p); break;
+      case 8: panel<8>(x, w, out, m, n, k, p); break;
+      case 7: panel<7>(x, w, out, m, n, k, p); break;
+      case 6: panel<6>(x, w, out, m, n, k, p); break;
+      case 5: panel<5>(x, w, out, m, n, k, p); break;
+      case 4: panel<4>(x, w, out, m, n, k, p); break;
       case 3: panel<3>(x, w, out, m, n, k, p); break;
       case 2: panel<2>(x, w, out, m, n, k, p); break;
       case 1: panel<1>(x, w, out, m, n, k, p); break;
@@ -72,49 +86,105 @@ void panels(const float* x, const float* w, float* out, int64_t rows, int64_t n,
   }
 }
 
-// Shared by the caller and the pool tasks. A task that starts after the last chunk is taken
-// finds nothing to do; it holds the state (shared_ptr) until it returns.
-struct Work {
+// One piece of work: panels p0 .. p1 of one weight, for `rows` rows of x.
+struct Item {
   const float* x;
   const float* w;
   float* out;
-  int64_t rows, n, k, num_panels, chunk, chunks;
+  int64_t rows, p0, p1;
+};
+
+// Shared by the caller and the pool tasks, which take items from one counter. A task that
+// starts after the last item is taken finds nothing to do; it holds the state (shared_ptr)
+// until it returns.
+struct Work {
+  std::vector<Item> items;
+  int64_t n, k;
   std::atomic<int64_t> next{0}, done{0};
 
   void run() {
-    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      panels(x, w, out, rows, n, k, c * chunk, std::min(num_panels, (c + 1) * chunk));
+    const int64_t count = items.size();
+    for (int64_t c; (c = next.fetch_add(1)) < count;) {
+      const Item& it = items[c];
+      panels(it.x, it.w, it.out, it.rows, n, k, it.p0, it.p1);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
+
+// Splits each weight's panels into chunks, a few per thread over all weights together, so a
+// late or busy thread costs little; runs them on the caller and the pool, and waits. A panel of
+// a weight with more rows takes longer, so its chunks hold fewer panels (a panel costs about
+// as much to read from memory as 8 rows cost to multiply).
+ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work, const std::vector<Item>& weights,
+               int64_t num_panels) {
+  if (weights.empty()) return ffi::Error::Success();
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  auto cost = [](const Item& one) { return one.rows + 8; };
+  int64_t total = 0;
+  for (const Item& one : weights) total += num_panels * cost(one);
+  int64_t target = std::max<int64_t>(1, total / (4 * threads));
+  for (const Item& one : weights) {
+    int64_t chunk = std::max<int64_t>(1, target / cost(one));
+    for (int64_t p = 0; p < num_panels; p += chunk)
+      work->items.push_back({one.x, one.w, one.out, one.rows, p, std::min(num_panels, p + chunk)});
+  }
+  const int64_t count = work->items.size();
+  for (int64_t t = 1; t < std::min(threads, count); ++t) pool.Schedule([work] { work->run(); });
+  work->run();  // the caller works too, so it never waits on a pool that is busy elsewhere
+  while (work->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+bool Matches(int64_t num_panels, int64_t n) { return (num_panels - 1) * kPanel < n && n <= num_panels * kPanel; }
 
 ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels w,
                        ffi::ResultBuffer<ffi::F32> out) {
   auto wd = w.dimensions(), od = out->dimensions();
   int64_t num_panels = wd[0], k = wd[1], n = od.size() ? od[od.size() - 1] : 0;
   if (wd[2] != kPanel) return ffi::Error::InvalidArgument("panel_matmul: w must be [P, K, 32]");
-  if (n <= (num_panels - 1) * kPanel || n > num_panels * kPanel)
+  if (!Matches(num_panels, n))
     return ffi::Error::InvalidArgument("panel_matmul: out's last dimension does not match w's panels");
   if (k == 0 || x.element_count() % k != 0 || x.element_count() / k * n != out->element_count())
     return ffi::Error::InvalidArgument("panel_matmul: x [..., K] and out [..., N] do not match w [P, K, 32]");
   auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->out = out->typed_data();
-  work->rows = x.element_count() / k;
   work->n = n;
   work->k = k;
-  work->num_panels = num_panels;
-  if (work->rows == 0) return ffi::Error::Success();
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t pieces = 4 * threads;  // a few chunks a thread, so a late or busy thread costs little
-  work->chunk = std::max<int64_t>(1, (num_panels + pieces - 1) / pieces);
-  work->chunks = (num_panels + work->chunk - 1) / work->chunk;
-  for (int64_t t = 1; t < std::min(threads, work->chunks); ++t) pool.Schedule([work] { work->run(); });
-  work->run();  // the caller works too, so it never waits on a pool that is busy elsewhere
-  while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
-  return ffi::Error::Success();
+  int64_t rows = x.element_count() / k;
+  std::vector<Item> weights;
+  if (rows > 0) weights.push_back({x.typed_data(), w.typed_data(), out->typed_data(), rows, 0, 0});
+  return Run(pool, work, weights, num_panels);
+}
+
+// Rows grouped by expert: x [R, K] holds sizes[0] rows for expert 0, then sizes[1] rows for
+// expert 1, ...; out [R, N] gets each group times its expert's weight (w [E, P, K, 32]) and
+// zeros in the rows past the last group. An expert with no rows is not read at all, and one
+// with many reads each of its panels once for all of them (the panel stays in cache).
+ffi::Error GroupedPanelMatmul(ffi::ThreadPool pool, Rows x, ExpertPanels w, Sizes sizes,
+                              ffi::ResultBuffer<ffi::F32, 2> out) {
+  auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  int64_t experts = wd[0], num_panels = wd[1], k = wd[2], rows = xd[0], n = od[1];
+  if (wd[3] != kPanel) return ffi::Error::InvalidArgument("grouped_panel_matmul: w must be [E, P, K, 32]");
+  if (xd[1] != k || od[0] != rows || !Matches(num_panels, n))
+    return ffi::Error::InvalidArgument("grouped_panel_matmul: x [R, K], w [E, P, K, 32] and out [R, N] do not match");
+  if (sizes.element_count() != experts)
+    return ffi::Error::InvalidArgument("grouped_panel_matmul: sizes must have one entry per expert");
+  auto work = std::make_shared<Work>();
+  work->n = n;
+  work->k = k;
+  std::vector<Item> weights;
+  int64_t start = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    int64_t size = sizes.typed_data()[e];
+    if (size < 0 || size > rows - start)
+      return ffi::Error::InvalidArgument("grouped_panel_matmul: group sizes must be >= 0 and sum to at most R");
+    if (size > 0)
+      weights.push_back({x.typed_data() + start * k, w.typed_data() + e * num_panels * k * kPanel,
+                         out->typed_data() + start * n, size, 0, 0});
+    start += size;
+  }
+  std::memset(out->typed_data() + start * n, 0, (rows - start) * n * sizeof(float));
+  return Run(pool, work, weights, num_panels);
 }
 
 }  // namespace
@@ -125,3 +195,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(panel_matmul, PanelMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<Panels>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(grouped_panel_matmul, GroupedPanelMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Rows>()
+                                  .Arg<ExpertPanels>()
+                                  .Arg<Sizes>()
+                                  .Ret<Rows>());

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.experts import ExpertWeights
-from model.panel import PanelTable
+from model.panel import PanelTable, PanelWeight
 from model.quant import QuantizedWeight8bit
 
 MESH_AXES = ("data", "model")
@@ -134,15 +134,13 @@ def param_specs(params, rules: dict | None = None, mesh: Mesh | None = None):
         return P()
 
     def leaf_spec(name, axes, leaf):
-        if isinstance(leaf, PanelTable):
+        if isinstance(leaf, (PanelTable, PanelWeight)):
             return leaf.replace(panels=one_device(name))
         spec = spec_for(axes, rules)
         if isinstance(leaf, ExpertWeights):
             if spec[0] is not None:
                 raise ValueError(f"{name}: split per expert, so its experts axis cannot be sharded "
                                  f"(rules map 'experts' to {spec[0]!r}); keep the weight stacked")
-            if leaf.width is not None:
-                return leaf.replace(experts=tuple(one_device(name) for _ in leaf.experts))
             one = axes[1:][::-1] if leaf.transposed else axes[1:]
             return ExpertWeights(tuple(leaf_spec(f"{name}/{e}", one, w) for e, w in enumerate(leaf.experts)),
                                  transposed=leaf.transposed)
@@ -163,7 +161,7 @@ def param_specs(params, rules: dict | None = None, mesh: Mesh | None = None):
         return leaf_spec(name, logical_axes(name), leaf)
 
     return jax.tree_util.tree_map_with_path(
-        spec_at, params, is_leaf=lambda x: isinstance(x, (QuantizedWeight8bit, ExpertWeights, PanelTable)))
+        spec_at, params, is_leaf=lambda x: isinstance(x, (QuantizedWeight8bit, ExpertWeights, PanelWeight, PanelTable)))
 
 
 def param_shardings(params, mesh: Mesh, rules: dict | None = None):

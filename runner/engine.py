@@ -89,8 +89,9 @@ class ModelRunner:
     # Hold each MoE weight as one buffer per expert (model/experts.py), so decode reads only the
     # selected experts, in place. Default: on CPU, when the rules do not shard the experts axis.
     split_experts: bool | None = None
-    # Hold float32 experts and the tied embedding in column panels, multiplied by the C++ kernel
-    # of model/panel.py (about 1.5-2x XLA:CPU's speed for a few rows; BENCHMARKS.md). Default:
+    # Hold float32 experts, attention projections and the tied embedding in column panels,
+    # multiplied by the C++ kernel of model/panel.py (about 1.5-2x XLA:CPU's speed for a few
+    # rows, and all experts' rows in one call; BENCHMARKS.md). Default:
     # when split, on a one-device CPU mesh, with float32 activations, where the kernel builds.
     # True insists (ValueError if not possible), False keeps XLA's dots.
     expert_panels: bool | None = None
@@ -118,8 +119,8 @@ class ModelRunner:
         if split:
             panels = self._expert_panels()
             self.params = split_experts(self.params, panels=panels)
-            if panels:  # the unembedding reads its 32+ rows x V weight best on the same kernel
-                self.params = panel.pack_embedding(self.params)
+            if panels:  # the unembedding and attention projections read best on the same kernel
+                self.params = panel.pack_params(self.params)
         self.param_shardings = param_shardings(self.params, self.mesh, self.rules)
         self.params = jax.device_put(self.params, self.param_shardings)
         self._build()

@@ -146,10 +146,13 @@ def slow_moe(x_MD, probs_ME, params, top):
 
 
 def arranged(params, layout):
-    """MoE ``params`` as stored ("stacked"), split per expert, or split into kernel panels."""
+    """``params`` as stored ("stacked"), with the MoE split per expert, or in kernel panels (the
+    experts, and the attention projections and embedding as the runner packs them)."""
     if layout == "panels" and not panel.available():
         pytest.skip(f"the panel kernel is unavailable: {panel.unavailable_reason()}")
-    return params if layout == "stacked" else split_experts(params, panels=layout == "panels")
+    if layout == "panels":
+        return panel.pack_params(split_experts(params, panels=True))
+    return params if layout == "stacked" else split_experts(params)
 
 
 LAYOUTS = ["stacked", "split", "panels"]
@@ -196,6 +199,16 @@ def test_split_expert_weights_of_the_wrong_shape_are_rejected(tiny_params):
     layer["w"] = ExpertWeights(layer["w"].experts[:-1])  # one expert short
     with pytest.raises(ValueError, match="split expert weights have shape"):
         forward(split, random_tokens(1, (1, 3)), TINY)
+
+
+def test_moe_weights_partly_in_panels_are_rejected(tiny_params):
+    if not panel.available():
+        pytest.skip(f"the panel kernel is unavailable: {panel.unavailable_reason()}")
+    mixed = split_experts(tiny_params, panels=True)
+    moe = mixed["transformer"]["decoder_layer_0"]["moe"]
+    moe["linear_1"]["w"] = tiny_params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
+    with pytest.raises(ValueError, match="all or none of the expert weights"):
+        forward(mixed, random_tokens(1, (1, 3)), TINY)
 
 
 @pytest.mark.parametrize("layout", ["split", "panels"])

@@ -22,6 +22,55 @@ def test_pack_round_trips_and_pads_with_zeros():
     assert packed.shape == (2, 5, panel.PANEL)
     assert np.array_equal(panel.unpack(packed, 37), w)
     assert not packed[1, :, 37 - panel.PANEL:].any()  # columns past N are zero
+    stacked = panel.PanelWeight.of(np.stack([w, 2 * w, 3 * w]))  # experts: one pack each
+    assert stacked.panels.shape == (3, 2, 5, panel.PANEL) and stacked.shape == (3, 5, 37)
+    assert np.array_equal(stacked.panels[2], panel.pack(3 * w))
+
+
+def _grouped_reference(x, w, sizes):
+    out, start = np.zeros((x.shape[0], w.shape[-1]), np.float32), 0
+    for e, size in enumerate(sizes):
+        out[start:start + size] = x[start:start + size] @ w[e]
+        start += size
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("sizes", [[0, 0, 0, 0], [1, 0, 0, 1], [3, 0, 5, 1], [13, 9, 0, 21], [0, 40, 0, 0]])
+@pytest.mark.parametrize("k, n", [(64, 96), (33, 37)])
+def test_grouped_matmul_multiplies_each_group_by_its_expert(sizes, k, n):
+    rows = sum(sizes) + 3  # rows past the last group come out zero
+    key = jax.random.PRNGKey(sum(sizes) * 7 + n)
+    x = np.asarray(jax.random.normal(key, (rows, k)))
+    w = np.asarray(jax.random.normal(jax.random.fold_in(key, 1), (4, k, n)))
+    grouped = jax.jit(panel.grouped_matmul, static_argnums=3)
+    got = grouped(x, jnp.asarray(panel.pack(w)), jnp.array(sizes, jnp.int32), n)
+    np.testing.assert_allclose(got, _grouped_reference(x, w, sizes), rtol=1e-5, atol=1e-5)
+    # a row's result does not depend on the other rows of its group (batch invariance)
+    if sizes[2] == 5:
+        alone = grouped(x[3:4], jnp.asarray(panel.pack(w)), jnp.array([0, 0, 1, 0], jnp.int32), n)
+        np.testing.assert_array_equal(got[3:4], alone)
+
+
+def test_grouped_matmul_rejects_what_it_cannot_do():
+    panels = jnp.zeros((4, 2, 16, panel.PANEL), jnp.float32)
+    sizes = jnp.zeros((4,), jnp.int32)
+    with pytest.raises(ValueError, match="float32 only"):
+        panel.grouped_matmul(jnp.zeros((3, 16), jnp.bfloat16), panels, sizes, 40)
+    with pytest.raises(ValueError, match="does not match expert panels"):
+        panel.grouped_matmul(jnp.zeros((3, 15), jnp.float32), panels, sizes, 40)
+    with pytest.raises(ValueError, match="one entry per expert"):
+        panel.grouped_matmul(jnp.zeros((3, 16), jnp.float32), panels, jnp.zeros((3,), jnp.int32), 40)
+    with pytest.raises(ValueError, match="n=65 is not the width"):
+        panel.grouped_matmul(jnp.zeros((3, 16), jnp.float32), panels, sizes, 65)
+
+
+@needs_kernel
+def test_grouped_matmul_fails_on_sizes_past_its_rows():
+    panels = jnp.zeros((4, 2, 16, panel.PANEL), jnp.float32)
+    with pytest.raises(Exception, match="sum to at most R"):
+        panel.grouped_matmul(jnp.zeros((3, 16), jnp.float32), panels, jnp.array([2, 0, 2, 0], jnp.int32),
+                             40).block_until_ready()
 
 
 @needs_kernel
@@ -55,11 +104,13 @@ def test_panel_matmul_rejects_what_it_cannot_do():
 
 
 @needs_kernel
-def test_embedding_in_panels_gives_the_same_logits_and_rows():
+def test_embedding_and_attention_in_panels_give_the_same_logits_and_rows():
     config = dataclasses.replace(TINY, vocab_size=333)  # not a multiple of 32: a ragged last panel
     params = init_params(config, jax.random.PRNGKey(0))
-    packed = panel.pack_embedding(params)
+    packed = panel.pack_params(params)
     table = packed["language_model"]["in_out_embed"]["embeddings"]
+    query = packed["transformer"]["decoder_layer_0"]["multi_head_attention"]["query"]["w"]
+    assert isinstance(query, panel.PanelWeight) and query.shape == (config.emb_size, config.num_q_heads * config.key_size)
     assert isinstance(table, panel.PanelTable) and table.shape == (333, config.emb_size)
     ids = jnp.array([[0, 31, 32, 332], [5, 64, 300, 1]])
     np.testing.assert_array_equal(table.lookup(ids), params["language_model"]["in_out_embed"]["embeddings"][ids])
@@ -70,7 +121,7 @@ def test_embedding_in_panels_gives_the_same_logits_and_rows():
 
 @needs_kernel
 def test_embedding_panels_of_the_wrong_vocabulary_are_rejected():
-    params = panel.pack_embedding(init_params(TINY, jax.random.PRNGKey(0)))
+    params = panel.pack_params(init_params(TINY, jax.random.PRNGKey(0)))
     with pytest.raises(ValueError, match="panels hold a"):
         forward(params, np.ones((1, 3), np.int32), dataclasses.replace(TINY, vocab_size=TINY.vocab_size + 32))
 
@@ -80,28 +131,30 @@ def _moe_weight(engine):
 
 
 @needs_kernel
-def test_runner_holds_float32_experts_in_panels_on_one_cpu_device():
+def test_runner_holds_float32_weights_in_panels_on_one_cpu_device():
     params = init_params(TINY, jax.random.PRNGKey(0))
     engine = ModelRunner(model=TINY, params=params)
     engine.initialize()
     w = _moe_weight(engine)
-    assert isinstance(w, ExpertWeights) and w.width == TINY.ffn_size
+    assert isinstance(w, panel.PanelWeight) and w.width == TINY.ffn_size
     assert w.shape == (TINY.num_experts, TINY.emb_size, TINY.ffn_size)
     assert isinstance(engine.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
+    attention = engine.params["transformer"]["decoder_layer_0"]["multi_head_attention"]
+    assert all(isinstance(attention[name]["w"], panel.PanelWeight) for name in ("query", "key", "value", "linear"))
 
 
 def test_runner_keeps_xla_dots_where_the_kernel_does_not_apply():
     params = init_params(TINY, jax.random.PRNGKey(0))
     off = ModelRunner(model=TINY, params=params, expert_panels=False)
     off.initialize()
-    assert _moe_weight(off).width is None
+    assert isinstance(_moe_weight(off), ExpertWeights)
     bf16 = ModelRunner(model=dataclasses.replace(TINY, fprop_dtype="bfloat16"), params=params)
     bf16.initialize()
-    assert _moe_weight(bf16).width is None
+    assert isinstance(_moe_weight(bf16), ExpertWeights)
     mesh = make_mesh((1, 2), jax.devices()[:2])
     sharded = ModelRunner(model=TINY, params=params, mesh=mesh)
     sharded.initialize()
-    assert _moe_weight(sharded).width is None
+    assert isinstance(_moe_weight(sharded), ExpertWeights)
     assert not isinstance(sharded.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
     with pytest.raises(ValueError, match="one CPU device"):
         ModelRunner(model=TINY, params=params, mesh=mesh, expert_panels=True).initialize()
@@ -114,7 +167,7 @@ def test_without_the_kernel_the_runner_keeps_xla_dots(monkeypatch):
     params = init_params(TINY, jax.random.PRNGKey(0))
     engine = ModelRunner(model=TINY, params=params)
     engine.initialize()
-    assert _moe_weight(engine).width is None
+    assert isinstance(_moe_weight(engine), ExpertWeights)
     assert not isinstance(engine.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
         ModelRunner(model=TINY, params=params, expert_panels=True).initialize()

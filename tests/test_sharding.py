@@ -139,11 +139,13 @@ def test_meshes_match_single_device(shard_params, plain_params, single_device, s
     # expert, each with the stacked spec less its (unsharded) experts entry, or, on one device,
     # in panels for the kernel of model/panel.py
     w = engine.params["transformer"]["decoder_layer_1"]["moe"]["linear"]["w"]
-    assert isinstance(w, ExpertWeights) and len(w.experts) == SHARD.num_experts
-    panels = mesh.size == 1 and panel.available()
-    assert (w.width is not None) == panels
-    for e in w.experts:
-        assert e.sharding.spec == (P() if panels else P("data", "model")) and e.sharding.mesh.shape == mesh.shape
+    if mesh.size == 1 and panel.available():
+        assert isinstance(w, panel.PanelWeight) and w.shape[0] == SHARD.num_experts
+        assert w.panels.sharding.spec == P() and w.panels.sharding.mesh.shape == mesh.shape
+    else:
+        assert isinstance(w, ExpertWeights) and len(w.experts) == SHARD.num_experts
+        for e in w.experts:
+            assert e.sharding.spec == P("data", "model") and e.sharding.mesh.shape == mesh.shape
     state = runner.state
     assert state.memory.k[0].sharding.spec == P("data", "model", None, None)
     assert state.memory.step.sharding.spec == P("data") and state.tokens.sharding.spec == P("data")
