@@ -96,8 +96,9 @@ class MultiHeadAttention(nn.Module):
         d, n, k, h, g = c.emb_size, c.num_q_heads, c.num_kv_heads, c.key_size, c.q_per_kv
         dtype = x_BTD.dtype
         b, t, _ = x_BTD.shape
-        q_BTNH = constrain(_project(x_BTD, Weight((d, n * h), name="query")(), dtype).reshape(b, t, n, h),
-                           ("batch", "seq", "act_heads", "head_dim"))
+        wq = Weight((d, n * h), name="query")()
+        wo = Weight((n * h, d), name="linear")()
+        q_BTNH = constrain(_project(x_BTD, wq, dtype).reshape(b, t, n, h), ("batch", "seq", "act_heads", "head_dim"))
         k_BTKH = constrain(_project(x_BTD, Weight((d, k * h), name="key")(), dtype).reshape(b, t, k, h),
                            ("batch", "seq", "act_kv_heads", "head_dim"))
         v_BTKH = constrain(_project(x_BTD, Weight((d, k * h), name="value")(), dtype).reshape(b, t, k, h),
@@ -115,6 +116,12 @@ class MultiHeadAttention(nn.Module):
             v_BKSH = v_BKSH.at[rows_BT, :, positions_BT].set(v_BTKH.astype(v_BKSH.dtype), mode="drop")
             k_BKSH, v_BKSH = constrain(k_BKSH, CACHE), constrain(v_BKSH, CACHE)  # never resharded
             cache = (k_BKSH, v_BKSH)
+            if (t == 1 and isinstance(wq, panel.PanelWeight) and k_BKSH.dtype == jnp.float32
+                    and panel.decode_attention_fits(n, k, h)):
+                # a decode step in the runner's CPU kernel layout: read the caches in place
+                out_BNH = panel.decode_attention(q_BTNH[:, 0].astype(jnp.float32), k_BKSH, v_BKSH, mask_BTS[:, 0],
+                                                 c.attn_output_multiplier, c.attn_logit_cap)
+                return _project(out_BNH.reshape(b, 1, n * h).astype(dtype), wo, dtype), cache
             # Attend to the first S positions only (S = the mask's length: a bucket that covers
             # every row's valid positions), so a step reads the KV it needs, not the whole cache.
             s = mask_BTS.shape[-1]
@@ -132,7 +139,7 @@ class MultiHeadAttention(nn.Module):
         weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dtype)  # softmax in float32
         # per (row, KV head) a plain [G*T, S] @ [S, H] matmul; the small result is transposed after
         out_BTKGH = jnp.einsum("BKGTS,BKSH->BKGTH", weights_BKGTS, v_BKSH).transpose(0, 3, 1, 2, 4)
-        out_BTD = _project(out_BTKGH.reshape(b, t, n * h), Weight((n * h, d), name="linear")(), dtype)
+        out_BTD = _project(out_BTKGH.reshape(b, t, n * h), wo, dtype)
         return out_BTD, cache
 
 

@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 PANEL = 32
-SOURCE = Path(__file__).with_name("panel_matmul.cc")
+SOURCES = (Path(__file__).with_name("panel_matmul.cc"), Path(__file__).with_name("attention.cc"))
 _TARGET = "grok_runner_panel_matmul"
 _GROUPED = "grok_runner_grouped_panel_matmul"
+_ATTENTION = "grok_runner_decode_attention"
 
 
 def _cpu_id() -> str:
@@ -53,24 +54,25 @@ def _build() -> str | None:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         return "no C++ compiler found (set $CXX)"
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + jax.__version__.encode() + _cpu_id().encode() + cxx.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("GROK_RUNNER_KERNEL_CACHE", "~/.cache/grok-runner/kernels")).expanduser()
-    lib = cache / f"panel_matmul-{key}.so"
+    lib = cache / f"kernels-{key}.so"
     try:
         if not lib.exists():
             cache.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
             cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-                   f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+                   f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:
                 os.unlink(tmp)
-                return f"building {SOURCE.name} failed: {proc.stderr.strip()[-500:]}"
+                return f"building {', '.join(path.name for path in SOURCES)} failed: {proc.stderr.strip()[-500:]}"
             os.replace(tmp, lib)  # atomic: a concurrent build never sees half a library
         library = ctypes.cdll.LoadLibrary(str(lib))
-        handlers = {_TARGET: library.panel_matmul, _GROUPED: library.grouped_panel_matmul}
+        handlers = {_TARGET: library.panel_matmul, _GROUPED: library.grouped_panel_matmul,
+                    _ATTENTION: library.decode_attention}
     except (OSError, AttributeError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash, bad library
         return f"building or loading {lib} failed: {e}"
     for name, handler in handlers.items():
@@ -137,6 +139,40 @@ def grouped_matmul(x, panels, sizes, n: int):
         raise RuntimeError(f"the panel kernel is unavailable: {reason}")
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call(_GROUPED, out)(x, panels, sizes.astype(jnp.int32))
+
+
+MAX_HEAD, MAX_GROUP = 128, 16  # attention.cc's kMaxHeadDim, kMaxHeadsPerKv
+
+
+def decode_attention_fits(num_q_heads: int, num_kv_heads: int, head_size: int) -> bool:
+    """Whether ``decode_attention`` takes these heads (its accumulators are of a fixed size)."""
+    return head_size <= MAX_HEAD and num_q_heads // num_kv_heads <= MAX_GROUP
+
+
+def decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BS, scale: float, cap: float):
+    """One decode step of grouped-query attention read in place from float32 caches.
+
+    ``q [B, N, H]`` (rotated), caches ``k, v [B, K, S_max, H]`` and ``mask [B, S]`` (S <= S_max:
+    only the first S positions are read). Query head n uses KV head ``n // (N / K)``; logits are
+    ``cap * tanh(scale * q.k / cap)``, softmaxed over the allowed keys; a row with none allowed
+    gets zeros. ``[B, N, H]`` float32. (attention.cc: XLA:CPU copies the S positions out of each
+    cache first.)"""
+    b, n, h = q_BNH.shape
+    if any(a.dtype != jnp.float32 for a in (q_BNH, k_BKSH, v_BKSH)):
+        raise ValueError(f"decode_attention is float32 only, got q {q_BNH.dtype}, k {k_BKSH.dtype}, v {v_BKSH.dtype}")
+    if (k_BKSH.ndim != 4 or v_BKSH.shape != k_BKSH.shape or k_BKSH.shape[0] != b or k_BKSH.shape[3] != h
+            or mask_BS.shape[0] != b or mask_BS.ndim != 2 or mask_BS.shape[1] > k_BKSH.shape[2]
+            or n % k_BKSH.shape[1]):
+        raise ValueError(f"decode_attention: q {q_BNH.shape}, k {k_BKSH.shape}, v {v_BKSH.shape} and mask "
+                         f"{mask_BS.shape} do not match ([B, N, H], [B, K, S_max, H], [B, S <= S_max])")
+    if not decode_attention_fits(n, k_BKSH.shape[1], h):
+        raise ValueError(f"decode_attention takes head sizes up to {MAX_HEAD} and at most {MAX_GROUP} query "
+                         f"heads a KV head, got H={h}, {n // k_BKSH.shape[1]}")
+    reason = _build()
+    if reason is not None:
+        raise RuntimeError(f"the panel kernel is unavailable: {reason}")
+    call = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
+    return call(q_BNH, k_BKSH, v_BKSH, mask_BS.astype(jnp.bool_), scale=np.float32(scale), cap=np.float32(cap))
 
 
 @flax.struct.dataclass

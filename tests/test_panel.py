@@ -171,3 +171,45 @@ def test_without_the_kernel_the_runner_keeps_xla_dots(monkeypatch):
     assert not isinstance(engine.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
         ModelRunner(model=TINY, params=params, expert_panels=True).initialize()
+
+
+def _attention_reference(q, k, v, mask, scale, cap):
+    b, n, h = q.shape
+    kv = k.shape[1]
+    s = mask.shape[1]
+    logits = np.einsum("bkgh,bksh->bkgs", q.reshape(b, kv, n // kv, h), k[:, :, :s]) * scale
+    logits = np.where(mask[:, None, None], cap * np.tanh(logits / cap), -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("bkgs,bksh->bkgh", weights, v[:, :, :s]).reshape(b, n, h)
+
+
+@needs_kernel
+@pytest.mark.parametrize("b, n, kv, h, s_max, s", [(3, 8, 2, 64, 40, 33), (2, 4, 4, 24, 20, 20), (1, 6, 1, 128, 300, 257),
+                                                   (2, 4, 2, 7, 9, 9)])
+def test_decode_attention_equals_the_softmax_over_allowed_keys(b, n, kv, h, s_max, s):
+    rng = np.random.default_rng(s)
+    q = rng.standard_normal((b, n, h)).astype(np.float32) * 20  # large logits: the soft-cap matters
+    k, v = (rng.standard_normal((b, kv, s_max, h)).astype(np.float32) for _ in range(2))
+    mask = rng.random((b, s)) < 0.7  # holes, not only a prefix
+    mask[:, 0] = True
+    got = jax.jit(panel.decode_attention, static_argnums=(4, 5))(q, k, v, mask, 0.125, 30.0)
+    np.testing.assert_allclose(got, _attention_reference(q, k, v, mask, 0.125, 30.0), rtol=1e-5, atol=1e-5)
+    # positions past S are never read: garbage there changes nothing
+    k[:, :, s:], v[:, :, s:] = np.nan, np.nan
+    np.testing.assert_array_equal(panel.decode_attention(q, k, v, mask, 0.125, 30.0), got)
+    mask[0] = False  # a row with no key allowed gets zeros
+    assert not np.asarray(panel.decode_attention(q, k, v, mask, 0.125, 30.0))[0].any()
+
+
+def test_decode_attention_rejects_what_it_cannot_do():
+    q, k, mask = jnp.zeros((2, 8, 64)), jnp.zeros((2, 2, 16, 64)), jnp.ones((2, 16), bool)
+    with pytest.raises(ValueError, match="float32 only"):
+        panel.decode_attention(q.astype(jnp.bfloat16), k, k, mask, 1.0, 30.0)
+    with pytest.raises(ValueError, match="do not match"):
+        panel.decode_attention(q, k, k, jnp.ones((2, 17), bool), 1.0, 30.0)
+    with pytest.raises(ValueError, match="do not match"):
+        panel.decode_attention(jnp.zeros((2, 7, 64)), k, k, mask, 1.0, 30.0)
+    with pytest.raises(ValueError, match="head sizes up to 128"):
+        panel.decode_attention(jnp.zeros((2, 8, 144)), jnp.zeros((2, 2, 16, 144)), jnp.zeros((2, 2, 16, 144)), mask,
+                               1.0, 30.0)

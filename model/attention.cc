@@ -1,0 +1,210 @@
+// One decode step of Grok-1's grouped-query attention read straight from the KV cache, as an
+// XLA FFI custom call (CPU, float32).
+//
+//   q [B, N, H], caches k, v [B, K, S_max, H], mask [B, S] (S <= S_max)  ->  out [B, N, H]
+//   out[b, n] = sum_s p[s] v[b, n / G, s]  over the keys s < S that mask[b] allows, with
+//   p = softmax(cap * tanh(scale * q[b, n] . k[b, n / G, s] / cap))   (G = N / K query heads a KV head)
+//
+// Why (BENCHMARKS.md): XLA:CPU copies the first S positions out of each cache (a slice of a
+// strided array) before its dots, one copy of K and one of V a layer and step, which took 5-9 ms
+// of a 52 ms batch-32 step. Here each (row, KV head) is one task that reads its keys and
+// values in place, once, for all G query heads. Masked keys are skipped: their weight is
+// exactly zero, as XLA's -1e30 logit gives; a row with no key allowed gets zeros.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+inline v16 splat(float a) { return v16{} + a; }
+inline v16 load_part(const float* p, int64_t count) { v16 v{}; std::memcpy(&v, p, count * sizeof(float)); return v; }
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+inline float sum(v16 v) {
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// e^x for x <= 0 to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 Taylor
+// polynomial, 2^n built in the exponent bits. Below -87 (where float underflows) it is 0.
+inline v16 exp_nonpositive(v16 x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  v16 n = x * 1.44269504f;
+  i16 ni = __builtin_convertvector(n - 0.5f, i16);  // round half down: x <= 0, so n <= 0
+  n = __builtin_convertvector(ni, v16);
+  v16 r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  v16 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  i16 bits = (ni + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// tanh(x) = sign(x) (1 - e^{-2|x|}) / (1 + e^{-2|x|}), about 2 ulp away from 0; near 0 the odd
+// Taylor series x - x^3/3 + 2x^5/15 - 17x^7/315 avoids the cancellation.
+inline v16 tanh_(v16 x) {
+  v16 a = x < 0 ? -x : x;
+  v16 e = exp_nonpositive(-2.0f * a);
+  v16 big = (1.0f - e) / (1.0f + e);
+  v16 a2 = a * a;
+  v16 small = a * (1.0f + a2 * (-1.0f / 3 + a2 * (2.0f / 15 + a2 * (-17.0f / 315))));
+  v16 t = a < 0.0625f ? small : big;
+  return x < 0 ? -t : t;
+}
+
+constexpr int kMaxHeadsPerKv = 16, kMaxHeadDim = 128;
+
+struct Work {
+  const float *q, *k, *v;
+  const bool* mask;
+  float* out;
+  int64_t kv_heads, group, s_max, s, h;
+  float scale, cap;
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t tasks;
+
+  // Row b, KV head j: its G query heads against keys 0 .. S-1 that the mask allows.
+  void task(int64_t b, int64_t j) {
+    const int64_t g_count = group, hv = h / 16, tail = h % 16;  // full vectors of a head, then the rest
+    const float* keys = k + (b * kv_heads + j) * s_max * h;
+    const float* values = v + (b * kv_heads + j) * s_max * h;
+    const float* query = q + (b * kv_heads + j) * group * h;  // heads j*G .. j*G+G-1 are contiguous
+    const bool* allowed = mask + b * s;
+    std::vector<int32_t> keep;  // the allowed positions, in order
+    keep.reserve(s);
+    for (int64_t i = 0; i < s; ++i)
+      if (allowed[i]) keep.push_back(i);
+    const int64_t n = keep.size(), padded = (n + 15) / 16 * 16;
+    float* o = out + (b * kv_heads + j) * group * h;
+    if (n == 0) {
+      std::memset(o, 0, group * h * sizeof(float));
+      return;
+    }
+    std::vector<float> logits(g_count * padded);
+    for (int64_t g = 0; g < g_count; ++g) {
+      const float* qg = query + g * h;
+      float* lg = logits.data() + g * padded;
+      for (int64_t i = 0; i < n; ++i) {
+        const float* kr = keys + int64_t(keep[i]) * h;
+        v16 acc{};
+        for (int64_t c = 0; c < hv; ++c) acc += load(qg + 16 * c) * load(kr + 16 * c);
+        if (tail) acc += load_part(qg + 16 * hv, tail) * load_part(kr + 16 * hv, tail);
+        lg[i] = sum(acc);
+      }
+      // scale, soft-cap, softmax over the n allowed keys (the padding lanes are dropped below)
+      v16 top = splat(-INFINITY);
+      for (int64_t i = 0; i < padded; i += 16) {
+        v16 x = load(lg + i) * scale;
+        x = cap * tanh_(x / cap);
+        store(lg + i, x);
+        top = (i + 16 <= n) ? (x > top ? x : top) : top;
+      }
+      float m = -INFINITY;
+      float lanes[16];
+      store(lanes, top);
+      for (float x : lanes) m = std::max(m, x);
+      for (int64_t i = n / 16 * 16; i < n; ++i) m = std::max(m, lg[i]);
+      v16 total{};
+      for (int64_t i = 0; i < padded; i += 16) {
+        v16 p = exp_nonpositive(load(lg + i) - m);
+        if (i + 16 > n) {  // zero the lanes past n
+          float tmp[16];
+          store(tmp, p);
+          for (int64_t l = n - i; l < 16; ++l) tmp[l] = 0;
+          p = load(tmp);
+        }
+        store(lg + i, p);
+        total += p;
+      }
+      const float inv = 1.0f / sum(total);
+      for (int64_t i = 0; i < n; ++i) lg[i] *= inv;
+    }
+    // out[g] = sum_i p[g][i] v[keep[i]]: each value row is read once for the G heads
+    v16 acc[kMaxHeadsPerKv][kMaxHeadDim / 16] = {};
+    for (int64_t i = 0; i < n; ++i) {
+      const float* vr = values + int64_t(keep[i]) * h;
+      for (int64_t c = 0; c < hv; ++c) {
+        v16 row = load(vr + 16 * c);
+        for (int64_t g = 0; g < g_count; ++g) acc[g][c] += logits[g * padded + i] * row;
+      }
+      if (tail) {
+        v16 row = load_part(vr + 16 * hv, tail);
+        for (int64_t g = 0; g < g_count; ++g) acc[g][hv] += logits[g * padded + i] * row;
+      }
+    }
+    for (int64_t g = 0; g < g_count; ++g) {
+      for (int64_t c = 0; c < hv; ++c) store(o + g * h + 16 * c, acc[g][c]);
+      if (tail) std::memcpy(o + g * h + 16 * hv, &acc[g][hv], tail * sizeof(float));
+    }
+  }
+
+  void run() {
+    for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
+      task(t / kv_heads, t % kv_heads);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, float scale, float cap,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions();
+  auto same = [](auto a, auto b) { return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin()); };
+  if (qd.size() != 3 || kd.size() != 4 || md.size() != 2 || !same(v.dimensions(), kd) || !same(out->dimensions(), qd))
+    return ffi::Error::InvalidArgument("decode_attention: q [B, N, H], k and v [B, K, S_max, H], mask [B, S]");
+  int64_t batch = qd[0], heads = qd[1], h = qd[2], kv_heads = kd[1];
+  if (kd[0] != batch || kd[3] != h || md[0] != batch || md[1] > kd[2] || kv_heads == 0 ||
+      heads % kv_heads != 0 || heads / kv_heads > kMaxHeadsPerKv || h > kMaxHeadDim)
+    return ffi::Error::InvalidArgument(
+        "decode_attention: shapes do not match, or G > 16 query heads a KV head, or H > 128");
+  auto work = std::make_shared<Work>();
+  work->q = q.typed_data();
+  work->k = k.typed_data();
+  work->v = v.typed_data();
+  work->mask = mask.typed_data();
+  work->out = out->typed_data();
+  work->kv_heads = kv_heads;
+  work->group = heads / kv_heads;
+  work->s_max = kd[2];
+  work->s = md[1];
+  work->h = h;
+  work->scale = scale;
+  work->cap = cap;
+  work->tasks = batch * kv_heads;
+  if (work->tasks == 0) return ffi::Error::Success();
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  for (int64_t t = 1; t < std::min(threads, work->tasks); ++t) pool.Schedule([work] { work->run(); });
+  work->run();  // the caller works too, so it never waits on a pool that is busy elsewhere
+  while (work->done.load(std::memory_order_acquire) < work->tasks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(decode_attention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
