@@ -10,26 +10,16 @@
 // of a 52 ms batch-32 step. Here each (row, KV head) is one task that reads its keys and
 // values in place, once, for all G query heads. Masked keys are skipped: their weight is
 // exactly zero, as XLA's -1e30 logit gives; a row with no key allowed gets zeros.
-#include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "kernels.h"
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
+using namespace grok_kernels;
 
-inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+typedef int32_t i16 __attribute__((vector_size(64)));
 inline v16 splat(float a) { return v16{} + a; }
 inline v16 load_part(const float* p, int64_t count) { v16 v{}; std::memcpy(&v, p, count * sizeof(float)); return v; }
 typedef float v8 __attribute__((vector_size(32)));
@@ -70,14 +60,12 @@ inline v16 tanh_(v16 x) {
 
 constexpr int kMaxHeadsPerKv = 16, kMaxHeadDim = 128;
 
-struct Work {
+struct Attention {
   const float *q, *k, *v;
   const bool* mask;
   float* out;
   int64_t kv_heads, group, s_max, s, h;
   float scale, cap;
-  std::atomic<int64_t> next{0}, done{0};
-  int64_t tasks;
 
   // Row b, KV head j: its G query heads against keys 0 .. S-1 that the mask allows.
   void task(int64_t b, int64_t j) {
@@ -153,13 +141,6 @@ struct Work {
       if (tail) std::memcpy(o + g * h + 16 * hv, &acc[g][hv], tail * sizeof(float));
     }
   }
-
-  void run() {
-    for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
-      task(t / kv_heads, t % kv_heads);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
 };
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -174,25 +155,9 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
       heads % kv_heads != 0 || heads / kv_heads > kMaxHeadsPerKv || h > kMaxHeadDim)
     return ffi::Error::InvalidArgument(
         "decode_attention: shapes do not match, or G > 16 query heads a KV head, or H > 128");
-  auto work = std::make_shared<Work>();
-  work->q = q.typed_data();
-  work->k = k.typed_data();
-  work->v = v.typed_data();
-  work->mask = mask.typed_data();
-  work->out = out->typed_data();
-  work->kv_heads = kv_heads;
-  work->group = heads / kv_heads;
-  work->s_max = kd[2];
-  work->s = md[1];
-  work->h = h;
-  work->scale = scale;
-  work->cap = cap;
-  work->tasks = batch * kv_heads;
-  if (work->tasks == 0) return ffi::Error::Success();
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  for (int64_t t = 1; t < std::min(threads, work->tasks); ++t) pool.Schedule([work] { work->run(); });
-  work->run();  // the caller works too, so it never waits on a pool that is busy elsewhere
-  while (work->done.load(std::memory_order_acquire) < work->tasks) std::this_thread::yield();
+  Attention a{q.typed_data(), k.typed_data(), v.typed_data(), mask.typed_data(), out->typed_data(),
+              kv_heads, heads / kv_heads, kd[2], md[1], h, scale, cap};
+  ParallelFor(pool, batch * kv_heads, [&](int64_t t) { a.task(t / kv_heads, t % kv_heads); });
   return ffi::Error::Success();
 }
 

@@ -1,16 +1,20 @@
-"""Weights packed in column panels and the CPU kernel that multiplies by them (the runner's
-layout for the MoE experts and the tied embedding on one CPU device).
+"""Weights packed in column panels, and the CPU kernels that use them: the runner's layout for
+the MoE experts, the attention projections and the tied embedding on one CPU device.
 
 A weight ``w [K, N]`` is held as ``[ceil(N / 32), K, 32]``: panel p is columns ``32p .. 32p+31``
-(zero past N), one contiguous run. ``panel_matmul`` multiplies by it with the custom call of
-``panel_matmul.cc``. That kernel streams each panel front to back on XLA's CPU thread pool. Per
-BENCHMARKS.md it reads expert weights 1.5-2x faster than XLA:CPU's own dot for 2 to 32 rows, at
-least as fast for one row, and it is also faster at prefill sizes.
+(zero past N), one contiguous run. Stacked experts ``[E, K, N]`` are ``[E, ceil(N / 32), K, 32]``.
+- ``panel_matmul`` multiplies by one weight (``panel_matmul.cc``): it streams each panel front to
+  back on XLA's CPU thread pool. Per BENCHMARKS.md it reads weights 1.5-2x faster than XLA:CPU's
+  own dot for 2 to 32 rows, at least as fast for one row, and it is also faster at prefill sizes.
+- ``grouped_matmul`` multiplies rows grouped by expert, each group by its own expert, in one call
+  (the MoE): an expert no row chose is never read, and one with many rows is read once.
+- ``decode_attention`` is a decode step's attention read in place from the KV cache
+  (``attention.cc``): XLA:CPU copies the attended positions out of the cache first.
 
-The kernel is C++, built on first use with the machine's C++ compiler (``$CXX``, else ``c++`` or
-``g++``; ``-O3 -march=native``, about 2 s). The library is cached under
-``~/.cache/grok-runner/kernels`` (``GROK_RUNNER_KERNEL_CACHE`` overrides it), keyed by the source,
-jax's version and the CPU. Without a compiler, ``available()`` is False and says why in
+The kernels are C++, built on first use with the machine's C++ compiler (``$CXX``, else ``c++``
+or ``g++``; ``-O3 -march=native``, about 3 s). The library is cached under
+``~/.cache/grok-runner/kernels`` (``GROK_RUNNER_KERNEL_CACHE`` overrides it), keyed by the
+sources, jax's version and the CPU. Without a compiler, ``available()`` is False and says why in
 ``unavailable_reason()``; the runner then keeps XLA's dots.
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import mmap
 import os
 import re
 import shutil
@@ -32,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 PANEL = 32
-SOURCES = (Path(__file__).with_name("panel_matmul.cc"), Path(__file__).with_name("attention.cc"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("panel_matmul.cc", "attention.cc"))
+HEADERS = (Path(__file__).with_name("kernels.h"),)
 _TARGET = "grok_runner_panel_matmul"
 _GROUPED = "grok_runner_grouped_panel_matmul"
 _ATTENTION = "grok_runner_decode_attention"
@@ -54,7 +60,7 @@ def _build() -> str | None:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         return "no C++ compiler found (set $CXX)"
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + jax.__version__.encode() + _cpu_id().encode() + cxx.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("GROK_RUNNER_KERNEL_CACHE", "~/.cache/grok-runner/kernels")).expanduser()
     lib = cache / f"kernels-{key}.so"
@@ -89,14 +95,37 @@ def unavailable_reason() -> str | None:
     return _build()
 
 
+def _hugepage_empty(shape) -> np.ndarray:
+    """An uninitialised float32 host array in memory advised to use transparent huge pages, where
+    the OS offers them (else a plain one). The kernels stream weights; with 2 MB pages instead of
+    4 KB a 256 MB read went from 56 to 66 GB/s on the development machine (BENCHMARKS.md), since a
+    stream then crosses far fewer page (and TLB) boundaries. On CPU, jax.device_put of such an
+    array keeps using its memory rather than copying it."""
+    size = int(np.prod(shape)) * 4
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if size < (2 << 20) or advice is None:
+        return np.empty(shape, np.float32)
+    huge = 2 << 20
+    try:  # 2 MB more, to start the array on a 2 MB boundary (huge pages are aligned)
+        region = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(advice)
+    except (OSError, ValueError, AttributeError):
+        return np.empty(shape, np.float32)
+    start = -np.frombuffer(region, np.uint8, count=1).ctypes.data % huge
+    return np.frombuffer(region, np.float32, count=size // 4, offset=start).reshape(shape)
+
+
 def pack(w) -> np.ndarray:
-    """``w [..., K, N]`` as panels ``[..., ceil(N / 32), K, 32]`` (a new host array; zero past N)."""
+    """``w [..., K, N]`` as panels ``[..., ceil(N / 32), K, 32]`` (a new host array, in huge
+    pages where available; zero past N)."""
     w = np.asarray(w, np.float32)
     *lead, k, n = w.shape
     panels = -(-n // PANEL)
     padded = np.zeros((*lead, k, panels * PANEL), np.float32)
     padded[..., :n] = w
-    return np.ascontiguousarray(np.moveaxis(padded.reshape(*lead, k, panels, PANEL), -2, -3))
+    out = _hugepage_empty((*lead, panels, k, PANEL))
+    out[...] = np.moveaxis(padded.reshape(*lead, k, panels, PANEL), -2, -3)
+    return out
 
 
 def unpack(panels, n: int):
@@ -190,7 +219,7 @@ class PanelWeight:
 
     @classmethod
     def of(cls, w) -> PanelWeight:
-        return cls(jnp.asarray(pack(w)), width=w.shape[-1])
+        return cls(jax.device_put(pack(w)), width=w.shape[-1])
 
     def __matmul__(self, x):
         raise TypeError("use panel_matmul(x, w.panels, w.width): x @ PanelWeight is not defined")
@@ -211,7 +240,7 @@ class PanelTable:
 
     @classmethod
     def of(cls, table) -> PanelTable:
-        return cls(jnp.asarray(pack(np.asarray(table).T)), vocab_size=table.shape[0])
+        return cls(jax.device_put(pack(np.asarray(table).T)), vocab_size=table.shape[0])
 
     def lookup(self, tokens):
         """Rows ``tokens`` of the table: ``[..., D]``."""

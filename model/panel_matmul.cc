@@ -7,33 +7,25 @@
 // larger than the caches. XLA:CPU runs products of 2 to 32 rows at 10-20 GB/s of weights, and a
 // register-blocked kernel reading the plain [K, N] layout was no better: each row of a column
 // tile lies a whole weight row away from the last, which defeats the hardware prefetchers.
-// Reading a panel front to back streams it. Per panel, up to 8 rows of x at a time are
-// accumulated in registers (8 x 2 vectors of 16 floats); panels are split into chunks that the
-// caller and XLA's intra-op thread pool take from one atomic counter.
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
+// Reading a panel front to back streams it. Per panel, 8 rows of x at a time (the last 1-12 in
+// one pass) are accumulated in registers (rows x 2 vectors of 16 floats); panels are split into
+// chunks that the caller and XLA's intra-op thread pool take from one counter.
+//
+// grouped_panel_matmul is the MoE's: rows grouped by expert, each group against its own
+// expert's panels, every expert in one call.
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "kernels.h"
 
 namespace {
+
+using namespace grok_kernels;
 
 constexpr int64_t kPanel = 32;
 using Panels = ffi::Buffer<ffi::F32, 3>;  // aliases: a macro argument cannot hold the comma
 using ExpertPanels = ffi::Buffer<ffi::F32, 4>;
 using Rows = ffi::Buffer<ffi::F32, 2>;
 using Sizes = ffi::Buffer<ffi::S32, 1>;
-typedef float v16 __attribute__((vector_size(64)));  // GCC/Clang vector extension: AVX-512 or 2 x AVX2
-
-inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-
 // out[m0 .. m0 + MB, columns of panel p] for one panel; `cols` of its 32 columns are real.
 template <int MB>
 void panel(const float* x, const float* w, float* out, int64_t m0, int64_t n, int64_t k, int64_t p) {
@@ -94,45 +86,26 @@ struct Item {
   int64_t rows, p0, p1;
 };
 
-// Shared by the caller and the pool tasks, which take items from one counter. A task that
-// starts after the last item is taken finds nothing to do; it holds the state (shared_ptr)
-// until it returns.
-struct Work {
-  std::vector<Item> items;
-  int64_t n, k;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void run() {
-    const int64_t count = items.size();
-    for (int64_t c; (c = next.fetch_add(1)) < count;) {
-      const Item& it = items[c];
-      panels(it.x, it.w, it.out, it.rows, n, k, it.p0, it.p1);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 // Splits each weight's panels into chunks, a few per thread over all weights together, so a
-// late or busy thread costs little; runs them on the caller and the pool, and waits. A panel of
-// a weight with more rows takes longer, so its chunks hold fewer panels (a panel costs about
-// as much to read from memory as 8 rows cost to multiply).
-ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work, const std::vector<Item>& weights,
-               int64_t num_panels) {
-  if (weights.empty()) return ffi::Error::Success();
+// late or busy thread costs little, and runs them. A panel of a weight with more rows takes
+// longer, so its chunks hold fewer panels (a panel costs about as much to read from memory as 8
+// rows cost to multiply).
+ffi::Error Run(ffi::ThreadPool& pool, const std::vector<Item>& weights, int64_t num_panels, int64_t n, int64_t k) {
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   auto cost = [](const Item& one) { return one.rows + 8; };
   int64_t total = 0;
   for (const Item& one : weights) total += num_panels * cost(one);
   int64_t target = std::max<int64_t>(1, total / (4 * threads));
+  std::vector<Item> items;
   for (const Item& one : weights) {
     int64_t chunk = std::max<int64_t>(1, target / cost(one));
     for (int64_t p = 0; p < num_panels; p += chunk)
-      work->items.push_back({one.x, one.w, one.out, one.rows, p, std::min(num_panels, p + chunk)});
+      items.push_back({one.x, one.w, one.out, one.rows, p, std::min(num_panels, p + chunk)});
   }
-  const int64_t count = work->items.size();
-  for (int64_t t = 1; t < std::min(threads, count); ++t) pool.Schedule([work] { work->run(); });
-  work->run();  // the caller works too, so it never waits on a pool that is busy elsewhere
-  while (work->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+  ParallelFor(pool, items.size(), [&](int64_t i) {
+    const Item& it = items[i];
+    panels(it.x, it.w, it.out, it.rows, n, k, it.p0, it.p1);
+  });
   return ffi::Error::Success();
 }
 
@@ -147,13 +120,10 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels w,
     return ffi::Error::InvalidArgument("panel_matmul: out's last dimension does not match w's panels");
   if (k == 0 || x.element_count() % k != 0 || x.element_count() / k * n != out->element_count())
     return ffi::Error::InvalidArgument("panel_matmul: x [..., K] and out [..., N] do not match w [P, K, 32]");
-  auto work = std::make_shared<Work>();
-  work->n = n;
-  work->k = k;
   int64_t rows = x.element_count() / k;
   std::vector<Item> weights;
   if (rows > 0) weights.push_back({x.typed_data(), w.typed_data(), out->typed_data(), rows, 0, 0});
-  return Run(pool, work, weights, num_panels);
+  return Run(pool, weights, num_panels, n, k);
 }
 
 // Rows grouped by expert: x [R, K] holds sizes[0] rows for expert 0, then sizes[1] rows for
@@ -169,9 +139,6 @@ ffi::Error GroupedPanelMatmul(ffi::ThreadPool pool, Rows x, ExpertPanels w, Size
     return ffi::Error::InvalidArgument("grouped_panel_matmul: x [R, K], w [E, P, K, 32] and out [R, N] do not match");
   if (sizes.element_count() != experts)
     return ffi::Error::InvalidArgument("grouped_panel_matmul: sizes must have one entry per expert");
-  auto work = std::make_shared<Work>();
-  work->n = n;
-  work->k = k;
   std::vector<Item> weights;
   int64_t start = 0;
   for (int64_t e = 0; e < experts; ++e) {
@@ -184,7 +151,7 @@ ffi::Error GroupedPanelMatmul(ffi::ThreadPool pool, Rows x, ExpertPanels w, Size
     start += size;
   }
   std::memset(out->typed_data() + start * n, 0, (rows - start) * n * sizeof(float));
-  return Run(pool, work, weights, num_panels);
+  return Run(pool, weights, num_panels, n, k);
 }
 
 }  // namespace
