@@ -65,6 +65,22 @@ def expert_matmul(x, w, e: int, dtype):
     return x @ dequantize(expert(w, e), dtype)
 
 
+def moe_weight_dtypes(params) -> set[str]:
+    """The dtypes the MoE weights of ``params`` are held in ("int8" for ``QuantizedWeight8bit``)."""
+    from model.sharding import path_str
+
+    def dtype(w) -> str:
+        if isinstance(w, ExpertWeights):
+            return dtype(w.experts[0])
+        return "int8" if is_quantized(w) else str(w.dtype)
+
+    found = set()
+    jax.tree_util.tree_map_with_path(
+        lambda path, w: found.add(dtype(w)) if MOE_WEIGHT.fullmatch(path_str(path)) else None, params,
+        is_leaf=lambda x: isinstance(x, (QuantizedWeight8bit, ExpertWeights, panel.PanelWeight)))
+    return found
+
+
 def split_experts(params, panels: bool = False):
     """``params`` with every stacked MoE weight replaced by its ``ExpertWeights`` (new buffers;
     float down projections transposed). With ``panels``, float32 weights become a ``panel.PanelWeight``

@@ -217,6 +217,10 @@ class PanelWeight:
     def shape(self) -> tuple[int, ...]:
         return (*self.panels.shape[:-3], self.panels.shape[-2], self.width)
 
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
     @classmethod
     def of(cls, w) -> PanelWeight:
         return cls(jax.device_put(pack(w)), width=w.shape[-1])
@@ -262,7 +266,7 @@ def pack_params(params):
     from model.sharding import path_str
 
     def one(path, w):
-        if not hasattr(w, "dtype") or w.dtype != jnp.float32:
+        if isinstance(w, (PanelWeight, PanelTable)) or not hasattr(w, "dtype") or w.dtype != jnp.float32:
             return w
         name = path_str(path)
         if name == EMBEDDING:

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model import panel
 from model.config import ModelConfig
-from model.experts import split_experts
+from model.experts import moe_weight_dtypes, split_experts
 from model.memory import KVMemory, new_memory
 from model.sharding import (DEFAULT_RULES, activation_sharding, make_mesh, memory_specs, param_shardings,
                             spec_for)
@@ -132,6 +132,11 @@ class ModelRunner:
                            f"{self.mesh.devices.flat[0].platform} devices)")
         if jnp.dtype(self.model.fprop_dtype) != jnp.float32:
             why_not.append(f"it is float32 (activations are {self.model.fprop_dtype})")
+        if self.expert_panels:  # only float32 experts are packed; insisting with others would pack nothing
+            held = sorted(moe_weight_dtypes(self.params) - {"float32"})
+            if held:
+                why_not.append(f"it takes float32 experts, and these are {', '.join(held)} (dequantize=True "
+                               f"converts int8 at load)")
         if not why_not and self.expert_panels is not False and not panel.available():
             why_not.append(panel.unavailable_reason())
         if self.expert_panels and why_not:

@@ -15,6 +15,7 @@ from model import TINY, forward, init_params, panel
 from model.experts import ExpertWeights
 from model.sharding import make_mesh
 from runner import ModelRunner
+from tests.test_quant import quantize_params
 
 needs_kernel = pytest.mark.skipif(not panel.available(), reason=f"panel kernel: {panel.unavailable_reason()}")
 
@@ -179,6 +180,9 @@ def test_runner_keeps_xla_dots_where_the_kernel_does_not_apply():
         ModelRunner(model=TINY, params=params, mesh=mesh, expert_panels=True).initialize()
     with pytest.raises(ValueError, match="needs the experts split"):
         ModelRunner(model=TINY, params=params, split_experts=False, expert_panels=True).initialize()
+    # only float32 experts are packed: insisting on panels with int8 ones is an error, not a no-op
+    with pytest.raises(ValueError, match="float32 experts, and these are int8"):
+        ModelRunner(model=TINY, params=quantize_params(params, groups=2), expert_panels=True).initialize()
 
 
 def test_without_the_kernel_the_runner_keeps_xla_dots(monkeypatch):
