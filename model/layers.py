@@ -14,8 +14,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.config import ModelConfig
 from model import panel
+from model.config import ModelConfig
 from model.experts import ExpertWeights, expert_matmul
 from model.quant import dequantize
 from model.sharding import constrain
@@ -47,9 +47,10 @@ class Weight(nn.Module):
     def __call__(self):
         if self.has_variable("params", "w"):
             w = self.get_variable("params", "w")
-            if isinstance(w, (ExpertWeights, panel.PanelWeight)):  # Flax's own shape check compares stacked leaves only
+            if isinstance(w, (ExpertWeights, panel.PanelWeight)):  # Flax checks plain leaves only
                 if w.shape != tuple(self.shape):
-                    raise ValueError(f"{self.scope.path_text}/w: split expert weights have shape "
+                    held = "split expert" if isinstance(w, ExpertWeights) else "panel"
+                    raise ValueError(f"{self.scope.path_text}/w: {held} weights have shape "
                                      f"{w.shape}, the config needs {tuple(self.shape)}")
                 return w
         return self.param("w", _fan_in_normal(self.fan_in_axes), self.shape, jnp.float32)
@@ -198,11 +199,11 @@ class MoELayer(nn.Module):
       selected experts' bytes. Inference only (the loop has no reverse-mode gradient).
 
     ``"auto"`` picks ``grouped`` when the weights are split per expert (``ExpertWeights``) or in
-    panels (``panel.PanelWeight``): the runner's CPU layouts, or for a single token; else ``dense``, which reads
-    stacked weights in place (XLA:CPU copies a stacked expert it slices out). ``python -m
-    bench.moe`` measures the combinations (BENCHMARKS.md). In panels both run on
-    ``panel.grouped_matmul``: ``grouped`` as one call per weight for all experts' rows, exactly
-    the routed rows with no padding; ``dense`` with every token in every expert's group.
+    panels (``panel.PanelWeight``), the runner's CPU layouts, or for a single token; else
+    ``dense``, which reads stacked weights in place (XLA:CPU copies a stacked expert it slices
+    out). ``python -m bench.moe`` measures the combinations (BENCHMARKS.md). In panels both run
+    on ``panel.grouped_matmul``: ``grouped`` as one call per weight for all experts' rows,
+    exactly the routed rows with no padding; ``dense`` with every token in every expert's group.
     """
 
     config: ModelConfig
@@ -289,8 +290,8 @@ def _grouped_moe(x_MD, gates_Mk, idx_Mk, weights, num_experts: int, rows: int, d
 
 
 def _panel_moe(x_MD, gates_Mk, idx_Mk, weights, num_experts: int, dense: bool):
-    """The MoE on experts in panels (``panel.PanelWeight``): each weight is one ``panel.grouped_matmul`` over the rows of
-    every expert at once (float32).
+    """The MoE on experts in panels (``panel.PanelWeight``): each weight is one
+    ``panel.grouped_matmul`` over the rows of every expert at once (float32).
 
     ``grouped``: the (token, slot) pairs sorted by expert (a stable sort) are the rows, so an
     expert gets exactly its tokens, one no token chose is never read, and each expert's weight is

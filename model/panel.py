@@ -134,17 +134,28 @@ def unpack(panels, n: int):
     return panels.transpose(1, 0, 2).reshape(k, p * PANEL)[:, :n]
 
 
-def panel_matmul(x, panels, n: int):
-    """``x [..., K] @ w [K, n]`` in float32, ``w`` given as its panels ``[P, K, 32]``."""
+def _check_call(name: str, x, panels, n: int) -> None:
+    """What every product by panels ``[..., P, K, 32]`` needs: float32, ``n`` the width of the P
+    panels, and the kernels built."""
     if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
-        raise ValueError(f"panel_matmul is float32 only, got x {x.dtype} and panels {panels.dtype}")
-    if panels.ndim != 3 or panels.shape[2] != PANEL or x.shape[-1] != panels.shape[1]:
-        raise ValueError(f"x {x.shape} does not match panels {panels.shape} ([P, K, {PANEL}])")
-    if not (panels.shape[0] - 1) * PANEL < n <= panels.shape[0] * PANEL:
-        raise ValueError(f"n={n} is not the width of {panels.shape[0]} panels of {PANEL}")
+        raise ValueError(f"{name} is float32 only, got x {x.dtype} and panels {panels.dtype}")
+    p = panels.shape[-3]
+    if not (p - 1) * PANEL < n <= p * PANEL:
+        raise ValueError(f"n={n} is not the width of {p} panels of {PANEL}")
+    _require_kernels()
+
+
+def _require_kernels() -> None:
     reason = _build()
     if reason is not None:
         raise RuntimeError(f"the panel kernel is unavailable: {reason}")
+
+
+def panel_matmul(x, panels, n: int):
+    """``x [..., K] @ w [K, n]`` in float32, ``w`` given as its panels ``[P, K, 32]``."""
+    if panels.ndim != 3 or panels.shape[2] != PANEL or x.shape[-1] != panels.shape[1]:
+        raise ValueError(f"x {x.shape} does not match panels {panels.shape} ([P, K, {PANEL}])")
+    _check_call("panel_matmul", x, panels, n)
     return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32))(x, panels)
 
 
@@ -155,17 +166,11 @@ def grouped_matmul(x, panels, sizes, n: int):
     ``panels [E, P, K, 32]`` are every expert's panels. ``sizes`` (int32 ``[E]``) may be traced;
     they must be non-negative and sum to at most R (the kernel fails otherwise). An expert with
     no rows is never read; one with many reads its weight once for all of them."""
-    if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
-        raise ValueError(f"grouped_matmul is float32 only, got x {x.dtype} and panels {panels.dtype}")
     if x.ndim != 2 or panels.ndim != 4 or panels.shape[3] != PANEL or x.shape[1] != panels.shape[2]:
         raise ValueError(f"x {x.shape} does not match expert panels {panels.shape} ([R, K] and [E, P, K, {PANEL}])")
     if sizes.shape != (panels.shape[0],):
         raise ValueError(f"sizes {sizes.shape} must have one entry per expert ({panels.shape[0]})")
-    if not (panels.shape[1] - 1) * PANEL < n <= panels.shape[1] * PANEL:
-        raise ValueError(f"n={n} is not the width of {panels.shape[1]} panels of {PANEL}")
-    reason = _build()
-    if reason is not None:
-        raise RuntimeError(f"the panel kernel is unavailable: {reason}")
+    _check_call("grouped_matmul", x, panels, n)
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call(_GROUPED, out)(x, panels, sizes.astype(jnp.int32))
 
@@ -197,9 +202,7 @@ def decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BS, scale: float, cap: float):
     if not decode_attention_fits(n, k_BKSH.shape[1], h):
         raise ValueError(f"decode_attention takes head sizes up to {MAX_HEAD} and at most {MAX_GROUP} query "
                          f"heads a KV head, got H={h}, {n // k_BKSH.shape[1]}")
-    reason = _build()
-    if reason is not None:
-        raise RuntimeError(f"the panel kernel is unavailable: {reason}")
+    _require_kernels()
     call = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
     return call(q_BNH, k_BKSH, v_BKSH, mask_BS.astype(jnp.bool_), scale=np.float32(scale), cap=np.float32(cap))
 
