@@ -12,7 +12,7 @@ A weight ``w [K, N]`` is held as ``[ceil(N / 32), K, 32]``: panel p is columns `
   (``attention.cc``): XLA:CPU copies the attended positions out of the cache first.
 
 The kernels are C++, built on first use with the machine's C++ compiler (``$CXX``, else ``c++``
-or ``g++``; ``-O3 -march=native``, about 3 s). The library is cached under
+or ``g++``; ``-O3 -march=native``, about 5 s). The library is cached under
 ``~/.cache/grok-runner/kernels`` (``GROK_RUNNER_KERNEL_CACHE`` overrides it), keyed by the
 sources, jax's version and the CPU. Without a compiler, ``available()`` is False and says why in
 ``unavailable_reason()``; the runner then keeps XLA's dots.
