@@ -22,6 +22,18 @@ from model import init_params
 from runner import ModelRunner
 
 
+def busy(engine, state, position: int, tokens: np.ndarray):
+    """``state`` with every slot active at ``position``, its next input ``tokens[slot]``: a decode
+    step from it attends over ``position + 1`` positions. Tokens that differ by row route rows to
+    different experts, as in serving (identical rows would all read the same two). A step donates
+    its state and moves it on, so timing loops call this again before every step."""
+    sh, b = engine._state_shardings, len(tokens)
+    return state.replace(
+        memory=state.memory.replace(step=jax.device_put(np.full((b,), position, np.int32), sh.memory.step)),
+        active=jax.device_put(np.ones((b,), bool), sh.active), tokens=jax.device_put(tokens, sh.tokens),
+        remaining=jax.device_put(np.full((b,), 10**6, np.int32), sh.remaining))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="128,512,1024,2048")
@@ -42,31 +54,23 @@ def main(argv=None):
         engine = ModelRunner(model=c, params=params)
         engine.initialize(batch_size=b)
         for n in contexts:
-            state = engine.new_state()
             # every slot active at position n - steps: the step attends over exactly n positions
-            memory = state.memory.replace(step=jax.numpy.full((b,), n - args.steps, jax.numpy.int32))
-            # a different token in every row, so rows route to different experts as in serving
-            # (identical rows would all pick the same two experts and read a quarter of them)
             tokens = np.random.default_rng(n).integers(4, c.vocab_size, b).astype(np.int32)
-            state = state.replace(memory=memory, active=jax.numpy.ones((b,), bool), tokens=jax.numpy.asarray(tokens),
-                                  remaining=jax.numpy.full((b,), 10**6, jax.numpy.int32))
+            state = busy(engine, engine.new_state(), n - args.steps, tokens)
+            memory = state.memory
             formula = 2 * b * c.num_layers * c.num_kv_heads * c.key_size * 4 * n  # fp32, n positions
             allocated = sum(x.nbytes for x in memory.k + memory.v)
             # the arrays hold sequence_len positions: the formula at n = sequence_len is their size
             assert allocated == formula * c.sequence_len // n
             step = engine.sample_step.variant(kv_len=n, steps=args.steps)
             times = []
-            sh = engine._state_shardings
             for i in range(args.repeats + 1):
                 start = time.perf_counter()
-                state, out = step(engine.params, state)  # the state is donated: rebuild its rows
+                state, out = step(engine.params, state)
                 jax.block_until_ready(out)
                 if i:
                     times.append((time.perf_counter() - start) / args.steps)
-                state = state.replace(
-                    memory=state.memory.replace(step=jax.device_put(np.full((b,), n - args.steps, np.int32),
-                                                                    sh.memory.step)),
-                    active=jax.device_put(np.ones((b,), bool), sh.active), tokens=jax.device_put(tokens, sh.tokens))
+                state = busy(engine, state, n - args.steps, tokens)
             ms = statistics.median(times) * 1e3
             flops = 2 * c.num_active_params + 4 * c.num_layers * n * c.emb_size
             rows.append({"batch": b, "context": n, "kv_bytes_formula": formula, "kv_bytes_allocated": allocated,

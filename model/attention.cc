@@ -19,33 +19,6 @@ namespace {
 
 using namespace grok_kernels;
 
-typedef int32_t i16 __attribute__((vector_size(64)));
-inline v16 splat(float a) { return v16{} + a; }
-inline v16 load_part(const float* p, int64_t count) { v16 v{}; std::memcpy(&v, p, count * sizeof(float)); return v; }
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-inline float sum(v16 v) {
-  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-// e^x for x <= 0 to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 Taylor
-// polynomial, 2^n built in the exponent bits. Below -87 (where float underflows) it is 0.
-inline v16 exp_nonpositive(v16 x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
-  v16 n = x * 1.44269504f;
-  i16 ni = __builtin_convertvector(n - 0.5f, i16);  // round half down: x <= 0, so n <= 0
-  n = __builtin_convertvector(ni, v16);
-  v16 r = x - n * 0.693145752f - n * 1.42860677e-6f;
-  v16 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-  i16 bits = (ni + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // tanh(x) = sign(x) (1 - e^{-2|x|}) / (1 + e^{-2|x|}), about 2 ulp away from 0; near 0 the odd
 // Taylor series x - x^3/3 + 2x^5/15 - 17x^7/315 avoids the cancellation.
 inline v16 tanh_(v16 x) {

@@ -1,5 +1,5 @@
-// What the CPU kernels (panel_matmul.cc, attention.cc) share: 16-float vectors and a parallel
-// loop over XLA's intra-op thread pool.
+// What the CPU kernels (panel_matmul.cc, attention.cc, sampling.cc) share: 16-float vectors, a
+// vectorised e^x, and a parallel loop over XLA's intra-op thread pool.
 #pragma once
 
 #include <algorithm>
@@ -16,9 +16,36 @@ namespace grok_kernels {
 namespace ffi = xla::ffi;
 
 typedef float v16 __attribute__((vector_size(64)));  // GCC/Clang vector extension: AVX-512 or 2 x AVX2
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t i16 __attribute__((vector_size(64)));
 
 inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+inline v16 load_part(const float* p, int64_t count) { v16 v{}; std::memcpy(&v, p, count * sizeof(float)); return v; }
+inline v16 splat(float a) { return v16{} + a; }
+
+inline float sum(v16 v) {
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// e^x for x <= 0 to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 Taylor
+// polynomial, 2^n built in the exponent bits. Below -87 (where float underflows) it is 0.
+inline v16 exp_nonpositive(v16 x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  v16 n = x * 1.44269504f;
+  i16 ni = __builtin_convertvector(n - 0.5f, i16);  // round half down: x <= 0, so n <= 0
+  n = __builtin_convertvector(ni, v16);
+  v16 r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  v16 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  i16 bits = (ni + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
 
 // fn(i) for every i in [0, count), on the caller and up to count - 1 pool threads, which take
 // indices from one counter; returns when all are done. The caller works too, so it never waits

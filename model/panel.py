@@ -1,5 +1,6 @@
 """Weights packed in column panels, and the CPU kernels that use them: the runner's layout for
-the MoE experts, the attention projections and the tied embedding on one CPU device.
+the MoE experts, the attention projections and the tied embedding on one CPU device; with them,
+the sampler's kernel.
 
 A weight ``w [K, N]`` is held as ``[ceil(N / 32), K, 32]``: panel p is columns ``32p .. 32p+31``
 (zero past N), one contiguous run. Stacked experts ``[E, K, N]`` are ``[E, ceil(N / 32), K, 32]``.
@@ -10,6 +11,8 @@ A weight ``w [K, N]`` is held as ``[ceil(N / 32), K, 32]``: panel p is columns `
   (the MoE): an expert no row chose is never read, and one with many rows is read once.
 - ``decode_attention`` is a decode step's attention read in place from the KV cache
   (``attention.cc``): XLA:CPU copies the attended positions out of the cache first.
+- ``filter_threshold`` is the cut of top-k and top-p sampling found without sorting the
+  vocabulary (``sampling.cc``): XLA:CPU's sort made a sampled batch-32 step 5x slower.
 
 The kernels are C++, built on first use with the machine's C++ compiler (``$CXX``, else ``c++``
 or ``g++``; ``-O3 -march=native``, about 5 s). The library is cached under
@@ -37,11 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 
 PANEL = 32
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("panel_matmul.cc", "attention.cc"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("panel_matmul.cc", "attention.cc", "sampling.cc"))
 HEADERS = (Path(__file__).with_name("kernels.h"),)
 _TARGET = "grok_runner_panel_matmul"
 _GROUPED = "grok_runner_grouped_panel_matmul"
 _ATTENTION = "grok_runner_decode_attention"
+_FILTER = "grok_runner_sampling_threshold"
 
 
 def _cpu_id() -> str:
@@ -78,7 +82,7 @@ def _build() -> str | None:
             os.replace(tmp, lib)  # atomic: a concurrent build never sees half a library
         library = ctypes.cdll.LoadLibrary(str(lib))
         handlers = {_TARGET: library.panel_matmul, _GROUPED: library.grouped_panel_matmul,
-                    _ATTENTION: library.decode_attention}
+                    _ATTENTION: library.decode_attention, _FILTER: library.sampling_threshold}
     except (OSError, AttributeError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash, bad library
         return f"building or loading {lib} failed: {e}"
     for name, handler in handlers.items():
@@ -205,6 +209,20 @@ def decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BS, scale: float, cap: float):
     _require_kernels()
     call = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
     return call(q_BNH, k_BKSH, v_BKSH, mask_BS.astype(jnp.bool_), scale=np.float32(scale), cap=np.float32(cap))
+
+
+def filter_threshold(scaled_BV, top_k_B, nucleus_p_B):
+    """Per row of tempered logits ``scaled [B, V]``, the smallest logit that top-k (``top_k [B]``,
+    0 = off) then top-p (``nucleus_p [B]``, >= 1 = off) sampling keeps: the rule of
+    ``runner.sampling.filter_logits``, which keeps the logits >= it, found by a radix select
+    instead of a sort (``sampling.cc``). ``[B]`` float32; -inf where nothing is cut. NaN logits
+    are never kept."""
+    if scaled_BV.ndim != 2 or top_k_B.shape != scaled_BV.shape[:1] or nucleus_p_B.shape != scaled_BV.shape[:1]:
+        raise ValueError(f"filter_threshold: scaled {scaled_BV.shape}, top_k {top_k_B.shape} and nucleus_p "
+                         f"{nucleus_p_B.shape} do not match ([B, V], [B], [B])")
+    _require_kernels()
+    call = jax.ffi.ffi_call(_FILTER, jax.ShapeDtypeStruct(scaled_BV.shape[:1], jnp.float32))
+    return call(scaled_BV.astype(jnp.float32), top_k_B.astype(jnp.int32), nucleus_p_B.astype(jnp.float32))
 
 
 @flax.struct.dataclass

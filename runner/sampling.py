@@ -3,7 +3,9 @@
 Settings are arrays with one entry per batch slot, so requests with different settings share one
 compiled step (as in Grok-1's runner). Temperature 0 is exact argmax (the reference divides by it
 and gets NaN); everything else is temperature -> top-k -> top-p on the tempered, max-subtracted
-distribution, then a Gumbel-max draw with the slot's own key.
+distribution, then a Gumbel-max draw with the slot's own key. The top-k/top-p cut sorts each row,
+or, with ``kernel=True`` (the runner on one CPU device), finds the same cut with a radix select
+(``model.panel.filter_threshold``): XLA:CPU's sort of 32 rows of 32768 logits costs 190 ms.
 
 Reported probabilities are those of the model itself (softmax of the raw logits, temperature 1):
 the chosen token's log-probability and the ``TOP_K`` most likely alternatives, like the
@@ -15,6 +17,8 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+
+from model import panel
 
 TOP_K = 8  # alternatives reported per token, as the reference's sampler
 _MIN_TEMPERATURE = 1e-6
@@ -41,11 +45,23 @@ class SampleOutput:
     top_k_probs: jax.Array  # [B, TOP_K] float32
 
 
-def filter_logits(logits_BV, settings: SampleSettings):
-    """Tempered logits with everything outside top-k and the nucleus set to -inf."""
-    v = logits_BV.shape[-1]
+def filter_logits(logits_BV, settings: SampleSettings, kernel: bool = False):
+    """Tempered logits with everything outside top-k and the nucleus set to -inf; ``kernel`` finds
+    the cut on the CPU kernel instead of sorting."""
     temperature = jnp.maximum(settings.temperature, _MIN_TEMPERATURE)[:, None]
     scaled_BV = logits_BV.astype(jnp.float32) / temperature
+    if kernel:
+        threshold_B = panel.filter_threshold(scaled_BV, settings.top_k, settings.nucleus_p)
+    else:
+        threshold_B = sorted_threshold(scaled_BV, settings)
+    return jnp.where(scaled_BV >= threshold_B[:, None], scaled_BV, -jnp.inf)
+
+
+def sorted_threshold(scaled_BV, settings: SampleSettings):
+    """The smallest tempered logit that top-k then top-p keep, by sorting each row: the reference
+    rule. Top-p keeps a token while the mass of the tokens before it, in the softmax of the top-k
+    survivors, is below p; the most likely token always survives (p -> 0 is argmax)."""
+    v = scaled_BV.shape[-1]
     sorted_BV = -jnp.sort(-scaled_BV, axis=-1)  # descending
     k_B = jnp.where(settings.top_k > 0, jnp.minimum(settings.top_k, v), v)
     kth_B = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)[:, 0]
@@ -54,12 +70,12 @@ def filter_logits(logits_BV, settings: SampleSettings):
     shifted_BV = jnp.where(in_top_k_BV, sorted_BV - sorted_BV[:, :1], -jnp.inf)  # max-subtracted
     probs_BV = jax.nn.softmax(shifted_BV, axis=-1)
     mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    keep_BV = (mass_before_BV < settings.nucleus_p[:, None]) & in_top_k_BV
+    # p >= 1 is off: float32's cumulative sum reaches 1 before the tail does and would cut it
+    keep_BV = ((mass_before_BV < settings.nucleus_p[:, None]) | (settings.nucleus_p[:, None] >= 1)) & in_top_k_BV
     keep_BV = keep_BV.at[:, 0].set(True)  # the most likely token always survives (p -> 0 is argmax)
     last_kept_B = jnp.sum(keep_BV, axis=-1) - 1
     threshold_B = jnp.take_along_axis(sorted_BV, last_kept_B[:, None], axis=-1)[:, 0]
-    threshold_B = jnp.maximum(threshold_B, kth_B)
-    return jnp.where(scaled_BV >= threshold_B[:, None], scaled_BV, -jnp.inf)
+    return jnp.maximum(threshold_B, kth_B)
 
 
 def argmax(x_BV):
@@ -70,8 +86,9 @@ def argmax(x_BV):
     return jnp.minimum(first_B, v - 1)  # a row of NaNs has no maximum: its last index, never out of range
 
 
-def sample_token(logits_BV, settings: SampleSettings, keys_B2) -> SampleOutput:
-    """One token per row; ``keys_B2`` are the rows' own PRNG keys for this draw."""
+def sample_token(logits_BV, settings: SampleSettings, keys_B2, kernel: bool = False) -> SampleOutput:
+    """One token per row; ``keys_B2`` are the rows' own PRNG keys for this draw. ``kernel``: cut
+    top-k/top-p on the CPU kernel (``filter_logits``)."""
     logits_BV = logits_BV.astype(jnp.float32)
     greedy_B = settings.temperature <= 0
 
@@ -79,7 +96,7 @@ def sample_token(logits_BV, settings: SampleSettings, keys_B2) -> SampleOutput:
         # The sort behind top-k/top-p costs more than the rest of sampling: skip it when no row asks.
         filtered_BV = jax.lax.cond(
             jnp.any((settings.top_k > 0) | (settings.nucleus_p < 1)),
-            lambda: filter_logits(logits_BV, settings),
+            lambda: filter_logits(logits_BV, settings, kernel),
             lambda: logits_BV / jnp.maximum(settings.temperature, _MIN_TEMPERATURE)[:, None])
         # jax.random.categorical's own Gumbel-max draw, with the faster argmax
         gumbel_BV = jax.vmap(lambda key: jax.random.gumbel(key, logits_BV.shape[-1:], jnp.float32))(keys_B2)

@@ -161,6 +161,10 @@ def test_runner_holds_float32_weights_in_panels_on_one_cpu_device():
     assert isinstance(engine.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
     attention = engine.params["transformer"]["decoder_layer_0"]["multi_head_attention"]
     assert all(isinstance(attention[name]["w"], panel.PanelWeight) for name in ("query", "key", "value", "linear"))
+    assert engine.sample_on_kernel  # the top-k/top-p cut too (tests/test_sampling.py)
+    sorting = ModelRunner(model=TINY, params=params, sampler_kernel=False)
+    sorting.initialize()
+    assert not sorting.sample_on_kernel
 
 
 def test_runner_keeps_xla_dots_where_the_kernel_does_not_apply():
@@ -176,8 +180,11 @@ def test_runner_keeps_xla_dots_where_the_kernel_does_not_apply():
     sharded.initialize()
     assert isinstance(_moe_weight(sharded), ExpertWeights)
     assert not isinstance(sharded.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
+    assert not sharded.sample_on_kernel and off.sample_on_kernel == panel.available()
     with pytest.raises(ValueError, match="one CPU device"):
         ModelRunner(model=TINY, params=params, mesh=mesh, expert_panels=True).initialize()
+    with pytest.raises(ValueError, match="sampling kernel cannot be used: it runs on one CPU device"):
+        ModelRunner(model=TINY, params=params, mesh=mesh, sampler_kernel=True).initialize()
     with pytest.raises(ValueError, match="needs the experts split"):
         ModelRunner(model=TINY, params=params, split_experts=False, expert_panels=True).initialize()
     # only float32 experts are packed: insisting on panels with int8 ones is an error, not a no-op
@@ -192,8 +199,11 @@ def test_without_the_kernel_the_runner_keeps_xla_dots(monkeypatch):
     engine.initialize()
     assert isinstance(_moe_weight(engine), ExpertWeights)
     assert not isinstance(engine.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
+    assert not engine.sample_on_kernel
     with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
         ModelRunner(model=TINY, params=params, expert_panels=True).initialize()
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
+        ModelRunner(model=TINY, params=params, sampler_kernel=True).initialize()
 
 
 def _attention_reference(q, k, v, mask, scale, cap):

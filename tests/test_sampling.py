@@ -1,8 +1,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from model import panel
 from runner.sampling import SampleSettings, argmax, filter_logits, sample_token
+
+# the top-k/top-p cut: by sorting (every backend), and by the CPU kernel where it builds
+CUTS = [False, pytest.param(True, marks=pytest.mark.skipif(not panel.available(), reason="no sampling kernel"))]
 
 
 def settings(b, temperature=1.0, nucleus_p=1.0, top_k=0):
@@ -21,9 +26,10 @@ def test_temperature_zero_is_exact_argmax_and_never_nan():
     assert np.isfinite(np.asarray(out.logprob)).all() and np.isfinite(np.asarray(out.top_k_probs)).all()
 
 
-def test_top_k_and_top_p_keep_the_right_sets():
+@pytest.mark.parametrize("kernel", CUTS)
+def test_top_k_and_top_p_keep_the_right_sets(kernel):
     logits = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1]]))
-    kept = lambda **kw: np.isfinite(np.asarray(filter_logits(logits, settings(1, **kw))))[0].tolist()  # noqa: E731
+    kept = lambda **kw: np.isfinite(np.asarray(filter_logits(logits, settings(1, **kw), kernel)))[0].tolist()  # noqa: E731
     assert kept() == [True] * 4
     assert kept(top_k=2) == [True, True, False, False]
     assert kept(nucleus_p=0.5) == [True, False, False, False]  # 0.5 alone reaches p
@@ -75,3 +81,63 @@ def test_draw_is_jax_random_categorical_and_a_mixed_batch_keeps_each_rows_rule()
     got = np.asarray(sample_token(logits, mixed, k).token_id)
     np.testing.assert_array_equal(got[[0, 2, 4]], np.asarray(want)[[0, 2, 4]])
     np.testing.assert_array_equal(got[[1, 3]], np.asarray(jnp.argmax(logits, axis=-1))[[1, 3]])
+
+
+@pytest.mark.parametrize("kernel", CUTS)
+def test_top_p_of_one_cuts_nothing(kernel):
+    """p = 1 is off: float32's running sum of the probabilities reaches 1 long before the tail."""
+    logits = -jnp.array([[0.0] + list(range(20, 29))])  # all but the first have probability < 3e-9
+    kept = np.isfinite(np.asarray(filter_logits(logits, settings(1, top_k=3), kernel)))[0]
+    assert kept.tolist() == [True] * 3 + [False] * 7
+    assert np.isfinite(np.asarray(filter_logits(logits, settings(1, nucleus_p=1.0, top_k=0), kernel))).all()
+
+
+def _reference_threshold(x, k, p):
+    """The sorted rule in float64: the smallest logit that top-k then top-p keep."""
+    top = np.sort(x[~np.isnan(x)].astype(np.float64))[::-1]
+    top = top[:k] if 0 < k < len(top) else top
+    probs = np.exp(top - top[0])
+    probs /= probs.sum()
+    keep = (np.cumsum(probs) - probs < p) | (p >= 1)
+    keep[0] = True
+    return top[keep.sum() - 1]  # the kept tokens are a prefix of the sorted row
+
+
+@pytest.mark.skipif(not panel.available(), reason="no sampling kernel")
+@pytest.mark.parametrize("v", [5, 16, 300, 32768])
+def test_kernel_cut_equals_the_sorted_rule(v):
+    rng = np.random.default_rng(v)
+    b = 24
+    x = rng.standard_normal((b, v)).astype(np.float32) * rng.choice([0.3, 3.0, 12.0], (b, 1)).astype(np.float32)
+    x[::3] = np.round(x[::3])  # many ties, also at the k-th logit and at the cut
+    x[1, : v // 2] = -np.inf
+    x[2, 0] = np.nan  # never kept, never counted
+    k = rng.integers(0, v + 2, b).astype(np.int32)
+    k[::2] = 0
+    k[3] = 1
+    p = rng.choice([1.0, 0.95, 0.9, 0.5, 0.1, 1e-6], b).astype(np.float32)
+    got = np.asarray(jax.jit(panel.filter_threshold)(x, k, p))
+    for r in range(b):
+        want = _reference_threshold(x[r], k[r], p[r])
+        assert ((x[r] >= got[r]) == (x[r] >= want)).all(), (r, k[r], p[r], got[r], want)
+    assert not np.isfinite(got).all() or (x >= got[:, None]).sum(1).min() >= 1
+
+
+@pytest.mark.skipif(not panel.available(), reason="no sampling kernel")
+def test_kernel_cut_of_rows_without_a_finite_maximum():
+    x = np.full((3, 40), -np.inf, np.float32)
+    x[1, 7] = np.inf
+    x[2, :] = np.nan
+    got = np.asarray(panel.filter_threshold(x, np.array([2, 0, 0], np.int32), np.full(3, 0.5, np.float32)))
+    assert got[0] == -np.inf and got[1] == np.inf and got[2] == -np.inf
+    with pytest.raises(ValueError, match="do not match"):
+        panel.filter_threshold(x, np.zeros(2, np.int32), np.ones(3, np.float32))
+
+
+@pytest.mark.skipif(not panel.available(), reason="no sampling kernel")
+def test_kernel_and_sort_draw_the_same_tokens():
+    logits = jax.random.normal(jax.random.PRNGKey(5), (16, 3000)) * 4
+    s = settings(16, temperature=0.8, nucleus_p=0.9).replace(top_k=jnp.arange(16) * 7)
+    k = keys(16, seed=11)
+    sorted_draw, kernel_draw = (np.asarray(sample_token(logits, s, k, kernel).token_id) for kernel in (False, True))
+    np.testing.assert_array_equal(kernel_draw, sorted_draw)

@@ -1,0 +1,95 @@
+"""What sampling costs a decode step, and what finding the top-k/top-p cut without a sort saves.
+
+    python -m bench.sampling [--batches 1,8,32] [--repeats 5]
+
+The benchmark model (``python -m bench``'s, fp32, 32768 tokens) decodes at context 256, every slot
+with the same settings: greedy; temperature 0.8; temperature 0.8 with top-p 0.95; and that with
+top-k 50 as well. The last two find their cut by sorting each row of logits (``sampler_kernel=
+False``, what every backend can do) and by the CPU kernel (``model/sampling.cc``, the default on
+one CPU device). The variants take turns call by call, so all of them see the same machine: its
+memory bandwidth moves by 30% within minutes. Reported: median ms per decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from bench.__main__ import BENCH
+from bench.kv import busy
+from model import init_params
+from runner import ModelRunner
+from runner.sampling import SampleSettings
+
+SETTINGS = {  # name: (temperature, top-p, top-k)
+    "greedy": (0.0, 1.0, 0),
+    "T 0.8": (0.8, 1.0, 0),
+    "T 0.8, top-p 0.95": (0.8, 0.95, 0),
+    "T 0.8, top-k 50, top-p 0.95": (0.8, 0.95, 50),
+}
+CUT = ("T 0.8, top-p 0.95", "T 0.8, top-k 50, top-p 0.95")  # the settings that cut
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=4, help="decode steps per call")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="bench/sampling.json")
+    args = parser.parse_args(argv)
+    params = init_params(BENCH, jax.random.PRNGKey(0))
+    print(f"ms per decode step at context {args.context} ({jax.devices()[0].platform}; medians of "
+          f"{args.repeats} calls of {args.steps} steps)")
+    print("| batch | " + " | ".join(f"{n}" if n not in CUT else f"{n}: sort | kernel | ratio" for n in SETTINGS) + " |")
+    print("|---:|" + "".join("---:|" * (3 if n in CUT else 1) for n in SETTINGS))
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        engines = {True: ModelRunner(model=BENCH, params=params), False: ModelRunner(model=BENCH, params=params,
+                                                                                    sampler_kernel=False)}
+        for engine in engines.values():
+            engine.initialize(batch_size=b)
+        rng = np.random.default_rng(b)
+        tokens = rng.integers(4, BENCH.vocab_size, b).astype(np.int32)
+        variants = [(name, True) for name in SETTINGS] + [(name, False) for name in CUT]
+        states, steps, times = {}, {}, {v: [] for v in variants}
+        for name, kernel in variants:
+            engine = engines[kernel]
+            sh = engine._state_shardings
+            temperature, top_p, top_k = SETTINGS[name]
+            settings = SampleSettings(temperature=np.full((b,), temperature, np.float32),
+                                      nucleus_p=np.full((b,), top_p, np.float32), top_k=np.full((b,), top_k, np.int32))
+            keys = rng.integers(0, 2**32, (b, 2), dtype=np.uint32)  # each slot its own draws
+            states[name, kernel] = engine.new_state().replace(settings=jax.device_put(settings, sh.settings),
+                                                              keys=jax.device_put(keys, sh.keys))
+            steps[name, kernel] = engine.sample_step.variant(kv_len=args.context, steps=args.steps)
+        for i in range(args.repeats + 1):  # the first round compiles and warms up
+            for v in variants:
+                engine = engines[v[1]]
+                state = busy(engine, states[v], args.context - args.steps, tokens)
+                start = time.perf_counter()
+                states[v], out = steps[v](engine.params, state)
+                jax.block_until_ready(out)
+                if i:
+                    times[v].append((time.perf_counter() - start) / args.steps * 1e3)
+        ms = {v: statistics.median(t) for v, t in times.items()}
+        row = {"batch": b, **{f"{name}{'' if kernel else ' (sort)'}": ms[name, kernel] for name, kernel in variants}}
+        rows.append(row)
+        cells = []
+        for name in SETTINGS:
+            if name in CUT:
+                cells += [f"{ms[name, False]:.1f}", f"{ms[name, True]:.1f}", f"{ms[name, False] / ms[name, True]:.1f}x"]
+            else:
+                cells.append(f"{ms[name, True]:.1f}")
+        print(f"| {b} | " + " | ".join(cells) + " |", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
