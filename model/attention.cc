@@ -40,15 +40,19 @@ struct Attention {
   int64_t kv_heads, group, s_max, s, h;
   float scale, cap;
 
-  // Row b, KV head j: its G query heads against keys 0 .. S-1 that the mask allows.
-  void task(int64_t b, int64_t j) {
-    const int64_t g_count = group, hv = h / 16, tail = h % 16;  // full vectors of a head, then the rest
+  // Row b, KV head j: its G query heads against keys 0 .. S-1 that the mask allows. HV = ceil(H / 16)
+  // vectors a head (a compile-time count, so one head's accumulators stay in registers).
+  template <int HV>
+  void task(int64_t b, int64_t j) const {
+    const int64_t g_count = group, tail = h % 16;  // the last vector's lanes in use (0: all 16)
+    auto row = [tail](const float* p, int c) { return c == HV - 1 && tail ? load_part(p + 16 * c, tail) : load(p + 16 * c); };
     const float* keys = k + (b * kv_heads + j) * s_max * h;
     const float* values = v + (b * kv_heads + j) * s_max * h;
     const float* query = q + (b * kv_heads + j) * group * h;  // heads j*G .. j*G+G-1 are contiguous
     const bool* allowed = mask + b * s;
-    std::vector<int32_t> keep;  // the allowed positions, in order
-    keep.reserve(s);
+    thread_local std::vector<int32_t> keep;  // the allowed positions, in order
+    thread_local std::vector<float> logits;  // [G, padded]; both grow once, then are reused
+    keep.clear();
     for (int64_t i = 0; i < s; ++i)
       if (allowed[i]) keep.push_back(i);
     const int64_t n = keep.size(), padded = (n + 15) / 16 * 16;
@@ -57,61 +61,79 @@ struct Attention {
       std::memset(o, 0, group * h * sizeof(float));
       return;
     }
-    std::vector<float> logits(g_count * padded);
-    for (int64_t g = 0; g < g_count; ++g) {
-      const float* qg = query + g * h;
-      float* lg = logits.data() + g * padded;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* kr = keys + int64_t(keep[i]) * h;
-        v16 acc{};
-        for (int64_t c = 0; c < hv; ++c) acc += load(qg + 16 * c) * load(kr + 16 * c);
-        if (tail) acc += load_part(qg + 16 * hv, tail) * load_part(kr + 16 * hv, tail);
-        lg[i] = sum(acc);
-      }
-      // scale, soft-cap, softmax over the n allowed keys (the padding lanes are dropped below)
-      v16 top = splat(-INFINITY);
-      for (int64_t i = 0; i < padded; i += 16) {
-        v16 x = load(lg + i) * scale;
-        x = cap * tanh_(x / cap);
-        store(lg + i, x);
-        top = (i + 16 <= n) ? (x > top ? x : top) : top;
-      }
-      float m = -INFINITY;
-      float lanes[16];
-      store(lanes, top);
-      for (float x : lanes) m = std::max(m, x);
-      for (int64_t i = n / 16 * 16; i < n; ++i) m = std::max(m, lg[i]);
-      v16 total{};
-      for (int64_t i = 0; i < padded; i += 16) {
-        v16 p = exp_nonpositive(load(lg + i) - m);
-        if (i + 16 > n) {  // zero the lanes past n
-          float tmp[16];
-          store(tmp, p);
-          for (int64_t l = n - i; l < 16; ++l) tmp[l] = 0;
-          p = load(tmp);
-        }
-        store(lg + i, p);
-        total += p;
-      }
-      const float inv = 1.0f / sum(total);
-      for (int64_t i = 0; i < n; ++i) lg[i] *= inv;
-    }
-    // out[g] = sum_i p[g][i] v[keep[i]]: each value row is read once for the G heads
-    v16 acc[kMaxHeadsPerKv][kMaxHeadDim / 16] = {};
+    logits.resize(g_count * padded);
+    float* lg = logits.data();
+    // q.k for the G heads: each key row is read once, and its value row fetched for the pass below
     for (int64_t i = 0; i < n; ++i) {
-      const float* vr = values + int64_t(keep[i]) * h;
-      for (int64_t c = 0; c < hv; ++c) {
-        v16 row = load(vr + 16 * c);
-        for (int64_t g = 0; g < g_count; ++g) acc[g][c] += logits[g * padded + i] * row;
+      const float* kr = keys + int64_t(keep[i]) * h;
+      const char* vr = reinterpret_cast<const char*>(values + int64_t(keep[i]) * h);
+      for (int64_t line = 0; line < h * int64_t(sizeof(float)); line += 64) __builtin_prefetch(vr + line);
+      if (i + 8 < n) {
+        const char* ahead = reinterpret_cast<const char*>(keys + int64_t(keep[i + 8]) * h);
+        for (int64_t line = 0; line < h * int64_t(sizeof(float)); line += 64) __builtin_prefetch(ahead + line);
       }
-      if (tail) {
-        v16 row = load_part(vr + 16 * hv, tail);
-        for (int64_t g = 0; g < g_count; ++g) acc[g][hv] += logits[g * padded + i] * row;
+      v16 key[HV];
+      for (int c = 0; c < HV; ++c) key[c] = row(kr, c);
+      for (int64_t g = 0; g < g_count; ++g) {
+        const float* qg = query + g * h;
+        v16 acc = row(qg, 0) * key[0];
+        for (int c = 1; c < HV; ++c) acc += row(qg, c) * key[c];
+        lg[g * padded + i] = sum(acc);
       }
     }
+    // out[g] = sum_i p[g][i] v[keep[i]] / sum_i p[g][i], one head at a time (the value rows are in
+    // cache by now)
     for (int64_t g = 0; g < g_count; ++g) {
-      for (int64_t c = 0; c < hv; ++c) store(o + g * h + 16 * c, acc[g][c]);
-      if (tail) std::memcpy(o + g * h + 16 * hv, &acc[g][hv], tail * sizeof(float));
+      float* p = lg + g * padded;
+      const float inv = 1.0f / exp_logits(p, n, padded);
+      v16 acc[HV] = {};
+      for (int64_t i = 0; i < n; ++i) {
+        const float* vr = values + int64_t(keep[i]) * h;
+        for (int c = 0; c < HV; ++c) acc[c] += p[i] * row(vr, c);
+      }
+      float* og = o + g * h;
+      for (int c = 0; c < HV; ++c) {
+        acc[c] *= inv;
+        if (c == HV - 1 && tail) std::memcpy(og + 16 * c, &acc[c], tail * sizeof(float));
+        else store(og + 16 * c, acc[c]);
+      }
+    }
+  }
+
+  // In place: the n logits of one head scaled, soft-capped and exponentiated less their maximum
+  // (lanes n .. padded-1 are 0); returns their sum, the softmax's denominator.
+  float exp_logits(float* lg, int64_t n, int64_t padded) const {
+    v16 top = splat(-INFINITY);
+    for (int64_t i = 0; i < padded; i += 16) {
+      v16 x = load(lg + i) * scale;
+      x = cap * tanh_(x / cap);
+      store(lg + i, x);
+      top = (i + 16 <= n) ? (x > top ? x : top) : top;
+    }
+    float m = -INFINITY;
+    for (int l = 0; l < 16; ++l) m = std::max(m, top[l]);
+    for (int64_t i = n / 16 * 16; i < n; ++i) m = std::max(m, lg[i]);
+    v16 total{};
+    for (int64_t i = 0; i < padded; i += 16) {
+      v16 p = exp_nonpositive(load(lg + i) - m);
+      if (i + 16 > n)  // zero the lanes past n
+        for (int64_t l = n - i; l < 16; ++l) p[l] = 0;
+      store(lg + i, p);
+      total += p;
+    }
+    return sum(total);
+  }
+
+  void task(int64_t b, int64_t j) const {
+    switch ((h + 15) / 16) {
+      case 1: return task<1>(b, j);
+      case 2: return task<2>(b, j);
+      case 3: return task<3>(b, j);
+      case 4: return task<4>(b, j);
+      case 5: return task<5>(b, j);
+      case 6: return task<6>(b, j);
+      case 7: return task<7>(b, j);
+      default: return task<8>(b, j);  // H <= 128 (checked by the caller)
     }
   }
 };
