@@ -1,5 +1,8 @@
-// The threshold of top-k then top-p (nucleus) filtering, found without sorting the vocabulary, as
-// an XLA FFI custom call (CPU, float32).
+// What the sampler needs from each row of logits on CPU, as XLA FFI custom calls (float32):
+// the cut of top-k/top-p without sorting the row, and the row's top tokens and log-normaliser in
+// one pass.
+//
+// sampling_threshold
 //
 //   scaled [B, V] (tempered logits), top_k [B] int32 (0 = off), nucleus_p [B] float32  ->  threshold [B]
 //
@@ -14,6 +17,16 @@
 //
 // NaN logits are never kept. A row whose largest logit is infinite, or that has no number but
 // -inf, gets that largest logit (the +inf tokens pass, or all do).
+//
+// logits_summary
+//
+//   logits [B, V]  ->  top [B, T] values and ids (T <= V; descending, ties by lower id), lse [B]
+//
+// What jax.lax.top_k and jax.nn.logsumexp give, in one pass for the top T (a vector compare
+// against the T-th best so far; the rare winners are inserted in order) and one for the sum of
+// exponentials. The greedy token is top id 0: the first of the largest logits. XLA:CPU took
+// 1.6 ms a batch-32 step for the top 8 of 32768 alone. NaN ranks as -inf (after the numbers);
+// a NaN in the row makes its lse NaN, as in JAX.
 #include <cmath>
 #include <vector>
 
@@ -163,8 +176,8 @@ class Row {
 ffi::Error SamplingThreshold(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scaled, ffi::Buffer<ffi::S32> top_k,
                              ffi::Buffer<ffi::F32> nucleus_p, ffi::ResultBuffer<ffi::F32> out) {
   auto d = scaled.dimensions();
-  if (d.size() != 2 || top_k.element_count() != d[0] || nucleus_p.element_count() != d[0] ||
-      out->element_count() != d[0])
+  if (d.size() != 2 || int64_t(top_k.element_count()) != d[0] || int64_t(nucleus_p.element_count()) != d[0] ||
+      int64_t(out->element_count()) != d[0])
     return ffi::Error::InvalidArgument("sampling_threshold: scaled [B, V], top_k [B], nucleus_p [B] -> [B]");
   const int64_t v = d[1];
   const float* x = scaled.typed_data();
@@ -178,7 +191,70 @@ ffi::Error SamplingThreshold(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scaled,
   return ffi::Error::Success();
 }
 
+// Row r's top T (into vals, ids) and log-sum-exp.
+void Summarize(const float* x, int64_t v, int64_t t, float* vals, int32_t* ids, float* lse) {
+  int64_t filled = 0;  // slots 0 .. filled-1 hold the best so far, in order
+  auto offer = [&](int64_t i) {
+    float a = x[i] == x[i] ? x[i] : -INFINITY;  // NaN ranks as -inf, after the numbers before it
+    if (filled == t && !(a > vals[t - 1])) return;
+    int64_t slot = filled < t ? filled++ : t - 1;
+    for (; slot > 0 && a > vals[slot - 1]; --slot) vals[slot] = vals[slot - 1], ids[slot] = ids[slot - 1];
+    vals[slot] = a, ids[slot] = int32_t(i);
+  };
+  int64_t i = 0;
+  for (; i < v && filled < t; ++i) offer(i);
+  for (; i + 16 <= v; i += 16) {
+    v16 block = load(x + i);
+    auto better = block > splat(vals[t - 1]);  // NaN compares false
+    bool any = false;
+    for (int l = 0; l < 16; ++l) any |= better[l] != 0;
+    if (any)
+      for (int l = 0; l < 16; ++l) offer(i + l);
+  }
+  for (; i < v; ++i) offer(i);
+  for (int64_t j = 0; j < t; ++j)  // the values as given (a NaN stays NaN)
+    vals[j] = x[ids[j]];
+  const float m = vals[0];
+  const bool finite = m > -INFINITY && m < INFINITY;
+  v16 total{};
+  float rest = 0;
+  bool nan = false;
+  for (i = 0; i + 16 <= v; i += 16) {
+    v16 block = load(x + i);
+    auto bad = block != block;
+    for (int l = 0; l < 16; ++l) nan |= bad[l] != 0;
+    if (finite) total += exp_nonpositive(block - m);
+  }
+  for (; i < v; ++i) {
+    nan |= x[i] != x[i];
+    if (finite) rest += exp_nonpositive(splat(x[i] - m))[0];
+  }
+  *lse = nan ? NAN : finite ? m + std::log(sum(total) + rest) : m;  // no finite maximum: -inf or +inf
+}
+
+ffi::Error LogitsSummary(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::ResultBuffer<ffi::F32> top_vals,
+                         ffi::ResultBuffer<ffi::S32> top_ids, ffi::ResultBuffer<ffi::F32> lse) {
+  auto d = logits.dimensions(), td = top_vals->dimensions();
+  if (d.size() != 2 || td.size() != 2 || td[0] != d[0] || td[1] < 1 || td[1] > d[1] ||
+      top_ids->element_count() != top_vals->element_count() || int64_t(lse->element_count()) != d[0])
+    return ffi::Error::InvalidArgument("logits_summary: logits [B, V] -> top values, ids [B, T <= V], lse [B]");
+  const int64_t v = d[1], t = td[1];
+  ParallelFor(pool, d[0], [&](int64_t r) {
+    Summarize(logits.typed_data() + r * v, v, t, top_vals->typed_data() + r * t, top_ids->typed_data() + r * t,
+              lse->typed_data() + r);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(logits_summary, LogitsSummary,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(sampling_threshold, SamplingThreshold,
                               ffi::Ffi::Bind()

@@ -87,8 +87,9 @@ def argmax(x_BV):
 
 
 def sample_token(logits_BV, settings: SampleSettings, keys_B2, kernel: bool = False) -> SampleOutput:
-    """One token per row; ``keys_B2`` are the rows' own PRNG keys for this draw. ``kernel``: cut
-    top-k/top-p on the CPU kernel (``filter_logits``)."""
+    """One token per row; ``keys_B2`` are the rows' own PRNG keys for this draw. ``kernel``: on
+    the CPU kernels, cut top-k/top-p (``filter_logits``) and find the top tokens and the
+    normaliser (``model.panel.logits_summary``)."""
     logits_BV = logits_BV.astype(jnp.float32)
     greedy_B = settings.temperature <= 0
 
@@ -104,9 +105,15 @@ def sample_token(logits_BV, settings: SampleSettings, keys_B2, kernel: bool = Fa
 
     # The noise costs as much as the rest of sampling; a batch of greedy rows never draws it.
     sampled_B = jax.lax.cond(jnp.all(greedy_B), lambda: jnp.zeros(greedy_B.shape, jnp.int32), draw)
-    token_B = jnp.where(greedy_B, argmax(logits_BV), sampled_B).astype(jnp.int32)
-    lse_B = jax.nn.logsumexp(logits_BV, axis=-1)
-    top_logits, top_ids = jax.lax.top_k(logits_BV, min(TOP_K, logits_BV.shape[-1]))
+    top = min(TOP_K, logits_BV.shape[-1])
+    if kernel:  # the top 8 and the normaliser in one pass: XLA:CPU's top-8 alone took 1.6 ms at batch 32
+        top_logits, top_ids, lse_B = panel.logits_summary(logits_BV, top)
+        argmax_B = top_ids[:, 0]
+    else:
+        top_logits, top_ids = jax.lax.top_k(logits_BV, top)
+        lse_B = jax.nn.logsumexp(logits_BV, axis=-1)
+        argmax_B = argmax(logits_BV)
+    token_B = jnp.where(greedy_B, argmax_B, sampled_B).astype(jnp.int32)
     return SampleOutput(
         token_id=token_B,
         logprob=jnp.take_along_axis(logits_BV, token_B[:, None], axis=-1)[:, 0] - lse_B,

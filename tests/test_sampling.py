@@ -141,3 +141,48 @@ def test_kernel_and_sort_draw_the_same_tokens():
     k = keys(16, seed=11)
     sorted_draw, kernel_draw = (np.asarray(sample_token(logits, s, k, kernel).token_id) for kernel in (False, True))
     np.testing.assert_array_equal(kernel_draw, sorted_draw)
+
+
+@pytest.mark.skipif(not panel.available(), reason="no sampling kernel")
+@pytest.mark.parametrize("v, top", [(3, 3), (17, 8), (300, 8), (32768, 8)])
+def test_kernel_summary_equals_top_k_and_logsumexp(v, top):
+    rng = np.random.default_rng(v)
+    x = rng.standard_normal((6, v)).astype(np.float32) * 5
+    x[1] = np.round(x[1])  # ties: lower ids first
+    x[2, : v - 1] = -np.inf  # fewer numbers than the top asks for
+    x[3] = 2.0  # all equal
+    x[4, v // 2] = 80.0  # one dominant logit
+    vals, ids, lse = jax.jit(panel.logits_summary, static_argnums=1)(x, top)
+    want_vals, want_ids = jax.lax.top_k(x, top)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(vals, want_vals)
+    np.testing.assert_allclose(lse, jax.nn.logsumexp(x, axis=-1), rtol=1e-6)
+    np.testing.assert_array_equal(ids[:, 0], np.asarray(jnp.argmax(x, axis=-1)))
+
+
+@pytest.mark.skipif(not panel.available(), reason="no sampling kernel")
+def test_kernel_summary_of_rows_without_a_finite_maximum():
+    x = np.full((4, 20), -np.inf, np.float32)
+    x[1, 3] = np.inf
+    x[2, 5] = np.nan  # NaN ranks as -inf and makes the lse NaN
+    x[3, :] = 1.0
+    x[3, 0] = np.nan
+    vals, ids, lse = panel.logits_summary(x, 4)
+    assert np.asarray(ids)[0].tolist() == [0, 1, 2, 3] and np.asarray(lse)[0] == -np.inf
+    assert np.asarray(ids)[1, 0] == 3 and np.asarray(lse)[1] == np.inf
+    assert np.isnan(np.asarray(lse)[2]) and np.asarray(ids)[2].tolist() == [0, 1, 2, 3]
+    assert np.asarray(ids)[3].tolist() == [1, 2, 3, 4] and np.isnan(np.asarray(lse)[3])
+    with pytest.raises(ValueError, match="1 <= top <= V"):
+        panel.logits_summary(x, 21)
+
+
+@pytest.mark.skipif(not panel.available(), reason="no sampling kernel")
+def test_sample_token_on_the_kernels_reports_what_xla_does():
+    logits = jax.random.normal(jax.random.PRNGKey(6), (8, 5000)) * 3
+    s = settings(8, temperature=0.0).replace(temperature=jnp.array([0.0, 0.7] * 4), nucleus_p=jnp.full((8,), 0.9))
+    k = keys(8, seed=12)
+    xla, kern = (sample_token(logits, s, k, kernel) for kernel in (False, True))
+    np.testing.assert_array_equal(kern.token_id, xla.token_id)
+    np.testing.assert_array_equal(kern.top_k_token_ids, xla.top_k_token_ids)
+    np.testing.assert_allclose(kern.logprob, xla.logprob, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kern.top_k_probs, xla.top_k_probs, rtol=1e-5)
