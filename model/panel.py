@@ -1,6 +1,6 @@
 """Weights packed in column panels, and the CPU kernels that use them: the runner's layout for
 the MoE experts, the attention projections and the tied embedding on one CPU device; with them,
-the sampler's kernel.
+the sampler's kernels.
 
 A weight ``w [K, N]`` is held as ``[ceil(N / 32), K, 32]``: panel p is columns ``32p .. 32p+31``
 (zero past N), one contiguous run. Stacked experts ``[E, K, N]`` are ``[E, ceil(N / 32), K, 32]``.
@@ -13,14 +13,14 @@ A weight ``w [K, N]`` is held as ``[ceil(N / 32), K, 32]``: panel p is columns `
   (``attention.cc``): XLA:CPU copies the attended positions out of the cache first.
 - ``filter_threshold`` is the cut of top-k and top-p sampling found without sorting the
   vocabulary, and ``logits_summary`` a row's top tokens and log-normaliser in one pass
-  (``sampling.cc``): XLA:CPU's sort made a sampled batch-32 step 4.7x slower, and its top-8
+  (``sampling.cc``): XLA:CPU's sort made a top-p batch-32 step about 5x slower, and its top-8
   took 1.6 ms of a greedy one.
 
 The kernels are C++, built on first use with the machine's C++ compiler (``$CXX``, else ``c++``
-or ``g++``; ``-O3 -march=native``, about 5 s). The library is cached under
-``~/.cache/grok-runner/kernels`` (``GROK_RUNNER_KERNEL_CACHE`` overrides it), keyed by the
-sources, jax's version and the CPU. Without a compiler, ``available()`` is False and says why in
-``unavailable_reason()``; the runner then keeps XLA's dots.
+or ``g++``; ``-O3 -march=native``, the sources side by side, about 4 s on 2 cores). The library
+is cached under ``~/.cache/grok-runner/kernels`` (``GROK_RUNNER_KERNEL_CACHE`` overrides it),
+keyed by the sources, jax's version and the CPU. Without a compiler, ``available()`` is False
+and says why in ``unavailable_reason()``; the runner then keeps XLA's dots.
 """
 
 from __future__ import annotations
@@ -74,15 +74,9 @@ def _build() -> str | None:
     try:
         if not lib.exists():
             cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-            os.close(fd)
-            cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-                   f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if proc.returncode != 0:
-                os.unlink(tmp)
-                return f"building {', '.join(path.name for path in SOURCES)} failed: {proc.stderr.strip()[-500:]}"
-            os.replace(tmp, lib)  # atomic: a concurrent build never sees half a library
+            why_not = _compile(cxx, lib)
+            if why_not:
+                return why_not
         library = ctypes.cdll.LoadLibrary(str(lib))
         handlers = {_TARGET: library.panel_matmul, _GROUPED: library.grouped_panel_matmul,
                     _ATTENTION: library.decode_attention, _FILTER: library.sampling_threshold,
@@ -92,6 +86,27 @@ def _build() -> str | None:
     for name, handler in handlers.items():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
     return None
+
+
+def _compile(cxx: str, lib: Path) -> str | None:
+    """Build the library at ``lib``: the sources compile side by side (each takes about 2.5 s,
+    mostly XLA's FFI headers), then link. None when it works, else why not."""
+    flags = [cxx, "-O3", "-march=native", "-std=c++17", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}"]
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        objects = [Path(tmp) / f"{path.stem}.o" for path in SOURCES]
+        jobs = [subprocess.Popen([*flags, "-c", str(path), "-o", str(obj)], stderr=subprocess.PIPE, text=True)
+                for path, obj in zip(SOURCES, objects)]
+        errors = [(path, job.communicate(timeout=300)[1]) for path, job in zip(SOURCES, jobs)]
+        failed = [f"{path.name}: {err.strip()[-500:] or f'exit status {job.returncode}'}"
+                  for (path, err), job in zip(errors, jobs) if job.returncode]
+        if not failed:
+            linked = subprocess.run([cxx, "-shared", *map(str, objects), "-o", f"{tmp}/lib.so"], stderr=subprocess.PIPE,
+                                    text=True, timeout=300)
+            if linked.returncode == 0:
+                os.replace(f"{tmp}/lib.so", lib)  # atomic: a concurrent build never sees half a library
+                return None
+            failed = [f"linking: {linked.stderr.strip()[-500:]}"]
+    return f"building {', '.join(path.name for path in SOURCES)} failed: " + "; ".join(failed)
 
 
 def available() -> bool:

@@ -28,6 +28,15 @@ def test_the_kernels_build_where_there_is_a_compiler():
     assert panel.available(), panel.unavailable_reason()
 
 
+def test_a_failed_build_says_which_source_and_leaves_no_library(tmp_path):
+    false = shutil.which("false")
+    if false is None:
+        pytest.skip("no `false` command")
+    reason = panel._compile(false, tmp_path / "kernels.so")
+    assert reason.startswith("building panel_matmul.cc") and "sampling.cc: exit status 1" in reason
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_pack_round_trips_and_pads_with_zeros():
     w = np.arange(5 * 37, dtype=np.float32).reshape(5, 37)
     packed = panel.pack(w)
