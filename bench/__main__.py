@@ -217,10 +217,10 @@ def main(argv=None):
         runner.initialize()
         compile_s = time.perf_counter() - start
         for prompt_len in prompts:
-            probe()
+            before = probe()
             runs = [serve(runner, batch, prompt_len, new_tokens, seed) for seed in range(args.repeats)]
             row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            row.update(batch=batch, prompt=prompt_len, compile_s=compile_s)
+            row.update(batch=batch, prompt=prompt_len, compile_s=compile_s, bandwidth_before=before["bandwidth"])
             results["rows"].append(row)
         del runner
     probe()
@@ -237,16 +237,22 @@ def main(argv=None):
     for name, rate in limits["matvec_bytes_per_s"].items():
         print(f"  matrix-vector product, {name}: {rate / 1e9:.2f} GB/s of weights")
     print(f"\nconfig: {BENCH.num_params / 1e6:.0f}M parameters, {BENCH.num_active_params / 1e6:.0f}M active, fp32")
-    print("| batch | prompt | TTFT s | TPOT ms | decode tok/s | roofline tok/s | of roofline | output tok/s | compile s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    # "of roofline" takes the run's fastest probe; "at the probe before" the bandwidth read just
+    # before the row (with the run's best FLOP/s), which tells a slow phase from a slow row
+    print("| batch | prompt | TTFT s | TPOT ms | decode tok/s | roofline tok/s | of roofline | "
+          "at the probe before | output tok/s | compile s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in results["rows"]:
-        batch = row["batch"]
-        roof = decode_roofline(BENCH, batch, row["prompt"] + new_tokens // 2, limits)
+        batch, context = row["batch"], row["prompt"] + new_tokens // 2
+        roof = decode_roofline(BENCH, batch, context, limits)
         roof_rate = batch / roof["seconds"]
-        row.update(roofline=roof, roofline_tokens_per_s=roof_rate, fraction=row["decode_tokens_per_s"] / roof_rate)
+        then = decode_roofline(BENCH, batch, context, {**limits, "bandwidth": row["bandwidth_before"]})
+        row.update(roofline=roof, roofline_tokens_per_s=roof_rate, fraction=row["decode_tokens_per_s"] / roof_rate,
+                   fraction_at_probe_before=row["decode_tokens_per_s"] * then["seconds"] / batch)
         print(f"| {batch} | {row['prompt']} | {row['ttft']:.2f} | {row['tpot'] * 1e3:.1f} | "
-              f"{row['decode_tokens_per_s']:.1f} | {roof_rate:.1f} ({roof['bound']}) | "
-              f"{row['fraction']:.0%} | {row['output_tokens_per_s']:.1f} | {row['compile_s']:.1f} |")
+              f"{row['decode_tokens_per_s']:.1f} | {roof_rate:.1f} ({roof['bound']}) | {row['fraction']:.0%} | "
+              f"{row['fraction_at_probe_before']:.0%} ({row['bandwidth_before'] / 1e9:.0f} GB/s) | "
+              f"{row['output_tokens_per_s']:.1f} | {row['compile_s']:.1f} |")
 
     rows = results["rows"]
     for prompt_len in prompts:
