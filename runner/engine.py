@@ -95,9 +95,10 @@ class ModelRunner:
     # when split, on a one-device CPU mesh, with float32 activations, where the kernel builds.
     # True insists (ValueError if not possible), False keeps XLA's dots.
     expert_panels: bool | None = None
-    # Find the top-k/top-p cut of sampling with the CPU kernel of model/panel.py instead of sorting
-    # each row of logits (XLA:CPU's sort made a sampled batch-32 step 5x slower). Default: on a
-    # one-device CPU mesh, where the kernel builds. True insists, False sorts.
+    # Sample on the CPU kernels of model/sampling.cc: the top-k/top-p cut without sorting each row
+    # of logits (XLA:CPU's sort made a top-p batch-32 step about 5x slower), the top 8 and the
+    # normaliser in one pass. Default: on a one-device CPU mesh, where the kernels build. True
+    # insists, False keeps XLA's ops (a sort, top_k, logsumexp).
     sampler_kernel: bool | None = None
     tokenizer_path: str | None = dataclasses.field(default=None, init=False)
     sample_on_kernel: bool = dataclasses.field(default=False, init=False)  # what initialize chose

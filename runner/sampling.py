@@ -5,7 +5,8 @@ compiled step (as in Grok-1's runner). Temperature 0 is exact argmax (the refere
 and gets NaN); everything else is temperature -> top-k -> top-p on the tempered, max-subtracted
 distribution, then a Gumbel-max draw with the slot's own key. The top-k/top-p cut sorts each row,
 or, with ``kernel=True`` (the runner on one CPU device), finds the same cut with a radix select
-(``model.panel.filter_threshold``): XLA:CPU's sort of 32 rows of 32768 logits costs 190 ms.
+(``model.panel.filter_threshold``): XLA:CPU's sort of 32 rows of 32768 logits costs 190 ms. The
+kernels also find the reported top tokens and the normaliser in one pass (``logits_summary``).
 
 Reported probabilities are those of the model itself (softmax of the raw logits, temperature 1):
 the chosen token's log-probability and the ``TOP_K`` most likely alternatives, like the
@@ -94,7 +95,7 @@ def sample_token(logits_BV, settings: SampleSettings, keys_B2, kernel: bool = Fa
     greedy_B = settings.temperature <= 0
 
     def draw():
-        # The sort behind top-k/top-p costs more than the rest of sampling: skip it when no row asks.
+        # The cut costs a pass over each row at least (a sort without the kernel): skip it when no row asks.
         filtered_BV = jax.lax.cond(
             jnp.any((settings.top_k > 0) | (settings.nucleus_p < 1)),
             lambda: filter_logits(logits_BV, settings, kernel),
