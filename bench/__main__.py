@@ -1,7 +1,9 @@
 """Serving benchmark: TTFT, TPOT, output tokens/s, compile and startup time, peak memory, for
 batch sizes x prompt lengths; beside, in the same run, the machine's own limits (memory bandwidth,
-matmul FLOP/s, probed before every row), the roofline of every configuration, generation without a KV cache, and (when
-the ``bench`` extra is installed) the Hugging Face transformers Mixtral peer of bench/peer.py.
+matmul FLOP/s, probed before every row), the roofline of every configuration, decode steps of
+every batch size taking turns (the ratios between batch sizes at one moment of the host's
+bandwidth), generation without a KV cache, and (when the ``bench`` extra is installed) the
+Hugging Face transformers Mixtral peer of bench/peer.py.
 
     python -m bench [--quick] [--no-peer] [--out bench/results.json]
 
@@ -160,6 +162,30 @@ def serve(runner: InferenceRunner, batch: int, prompt_len: int, new_tokens: int,
             "output_tokens_per_s": len(times) / (end - submitted)}
 
 
+def interleaved_steps(params, config, batches, context: int, steps: int, rounds: int) -> dict[int, float]:
+    """Median seconds of one decode step at each batch size, every slot busy at ``context``, the
+    batch sizes taking turns call by call: a ratio between two rows of the serving table compares
+    two moments of the host's bandwidth, this one compares the same moment."""
+    from bench.kv import busy  # bench.kv imports this module
+
+    engines, steps_fn, states, times = {}, {}, {}, {b: [] for b in batches}
+    for b in batches:
+        engines[b] = ModelRunner(model=config, params=params)
+        engines[b].initialize(batch_size=b)
+        steps_fn[b] = engines[b].sample_step.variant(kv_len=1 << (context - 1).bit_length(), steps=steps)
+        states[b] = engines[b].new_state()
+    tokens = {b: np.random.default_rng(b).integers(4, config.vocab_size, b).astype(np.int32) for b in batches}
+    for i in range(rounds + 1):  # the first round compiles and warms up
+        for b in batches:
+            state = busy(engines[b], states[b], context - steps, tokens[b])
+            start = time.perf_counter()
+            states[b], out = steps_fn[b](engines[b].params, state)
+            jax.block_until_ready(out)
+            if i:
+                times[b].append((time.perf_counter() - start) / steps)
+    return {b: statistics.median(t) for b, t in times.items()}
+
+
 def no_cache_generation(params, config, prompt_len: int, new_tokens: int) -> list[tuple[int, float]]:
     """Generation with a full forward pass per token (no KV cache): seconds per token by length."""
     fwd = jax.jit(lambda p, t: init_forward(p, t, config))
@@ -262,6 +288,12 @@ def main(argv=None):
                 print(f"batch {r['batch']} / batch 1, prompt {prompt_len}: steady decode "
                       f"{r['decode_tokens_per_s'] / one['decode_tokens_per_s']:.1f}x, output tokens/s "
                       f"{r['output_tokens_per_s'] / one['output_tokens_per_s']:.1f}x")
+    context = prompts[0] + new_tokens // 2
+    step = interleaved_steps(params, BENCH, batches, context, args.decode_steps, 5 if args.quick else 15)
+    results["interleaved_step_s"] = {str(b): t for b, t in step.items()}
+    print(f"decode steps at context {context}, the batch sizes taking turns: " + ", ".join(
+        f"batch {b} {t * 1e3:.1f} ms" for b, t in step.items()) + "; tokens/s over batch 1's: " + ", ".join(
+        f"batch {b} {b * step[1] / t:.1f}x" for b, t in step.items() if b > 1))
     nocache = no_cache_generation(params, BENCH, 128, 64 if not args.quick else 16)
     cached = next(r for r in results["rows"] if r["batch"] == 1)
     results["no_cache"] = nocache
