@@ -20,6 +20,21 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t i16 __attribute__((vector_size(64)));
 
+// The widest vector the target has registers for: a vector type wider than the registers is
+// split by GCC into halves that it keeps on the stack, which made the panel kernel 4-50x slower
+// built for AVX2 (BENCHMARKS.md). kVectorRegisters bounds how many accumulators a kernel keeps.
+#if defined(__AVX512F__)
+typedef float vec __attribute__((vector_size(64)));
+constexpr int kVectorRegisters = 32;
+#else
+typedef float vec __attribute__((vector_size(32)));  // AVX2 (and SSE, as two halves)
+constexpr int kVectorRegisters = 16;
+#endif
+constexpr int kLanes = sizeof(vec) / sizeof(float);
+
+inline vec load_vec(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store_vec(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+
 inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 inline v16 load_part(const float* p, int64_t count) { v16 v{}; std::memcpy(&v, p, count * sizeof(float)); return v; }

@@ -17,10 +17,16 @@ A weight ``w [K, N]`` is held as ``[ceil(N / 32), K, 32]``: panel p is columns `
   took 1.6 ms of a greedy one.
 
 The kernels are C++, built on first use with the machine's C++ compiler (``$CXX``, else ``c++``
-or ``g++``; ``-O3 -march=native``, the sources side by side, about 4 s on 2 cores). The library
-is cached under ``~/.cache/grok-runner/kernels`` (``GROK_RUNNER_KERNEL_CACHE`` overrides it),
-keyed by the sources, jax's version and the CPU. Without a compiler, ``available()`` is False
-and says why in ``unavailable_reason()``; the runner then keeps XLA's dots.
+or ``g++``; ``-O3 -march=native``, the sources side by side, about 4 s on 2 cores). They are
+written for the vector registers the target has: 16 floats and 32 registers with AVX-512, 8 floats
+and 16 registers with AVX2 (``kernels.h``; vectors wider than the registers made the AVX2 build
+4-50x slower). ``GROK_RUNNER_KERNEL_MARCH`` builds for another ``-march`` (``x86-64-v3``: the AVX2
+variants on an AVX-512 machine). The library is cached under ``~/.cache/grok-runner/kernels``
+(``GROK_RUNNER_KERNEL_CACHE`` overrides it), keyed by the sources, jax's version, the CPU, the
+compiler and the target (``library_path()``). Without a compiler, ``available()`` is False and
+says why in ``unavailable_reason()``; the runner then keeps XLA's ops. Where a kernel is
+available, the runner still takes it only where ``runner/calibration.py`` measured it faster than
+XLA's op on this CPU.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import flax.struct
@@ -51,6 +58,12 @@ _FILTER = "grok_runner_sampling_threshold"
 _SUMMARY = "grok_runner_logits_summary"
 
 
+def march() -> str:
+    """The ``-march`` the kernels are built for: the CPU at hand unless ``GROK_RUNNER_KERNEL_MARCH``
+    names another (``x86-64-v3`` builds the AVX2 variants on an AVX-512 machine, to measure them)."""
+    return os.environ.get("GROK_RUNNER_KERNEL_MARCH") or "native"
+
+
 def _cpu_id() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -61,16 +74,45 @@ def _cpu_id() -> str:
         return platform.processor() + platform.machine()
 
 
-@functools.lru_cache(maxsize=None)
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def library_path() -> Path | None:
+    """Where the kernel library for this CPU, compiler and source lives (built or not); None
+    without a compiler. Its calibration (``runner/calibration.py``) is cached beside it."""
+    cxx = _compiler()
+    if not cxx:
+        return None
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    key = hashlib.sha256(source + jax.__version__.encode() + _cpu_id().encode() + cxx.encode()
+                         + march().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("GROK_RUNNER_KERNEL_CACHE", "~/.cache/grok-runner/kernels")).expanduser()
+    return cache / f"kernels-{key}.so"
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+def prebuild() -> None:
+    """Start building the kernels in a background thread, if they are not built yet: the
+    compiler runs while the caller restores a checkpoint. ``available()`` then waits for it."""
+    if _build_once.cache_info().currsize == 0:
+        threading.Thread(target=available, name="kernel-build", daemon=True).start()
+
+
 def _build() -> str | None:
     """Compile and register the kernel once per process; None when it works, else why not."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
+    with _BUILD_LOCK:  # one build, however many threads ask
+        return _build_once()
+
+
+@functools.lru_cache(maxsize=None)
+def _build_once() -> str | None:
+    cxx, lib = _compiler(), library_path()
+    if lib is None:
         return "no C++ compiler found (set $CXX)"
-    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(source + jax.__version__.encode() + _cpu_id().encode() + cxx.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("GROK_RUNNER_KERNEL_CACHE", "~/.cache/grok-runner/kernels")).expanduser()
-    lib = cache / f"kernels-{key}.so"
+    cache = lib.parent
     try:
         if not lib.exists():
             cache.mkdir(parents=True, exist_ok=True)
@@ -91,7 +133,7 @@ def _build() -> str | None:
 def _compile(cxx: str, lib: Path) -> str | None:
     """Build the library at ``lib``: the sources compile side by side (each takes about 2.5 s,
     mostly XLA's FFI headers), then link. None when it works, else why not."""
-    flags = [cxx, "-O3", "-march=native", "-std=c++17", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}"]
+    flags = [cxx, "-O3", f"-march={march()}", "-std=c++17", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}"]
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         objects = [Path(tmp) / f"{path.stem}.o" for path in SOURCES]
         jobs = [subprocess.Popen([*flags, "-c", str(path), "-o", str(obj)], stderr=subprocess.PIPE, text=True)
@@ -313,19 +355,19 @@ EMBEDDING = "language_model/in_out_embed/embeddings"
 ATTENTION = re.compile(r"(.*/)?multi_head_attention/(query|key|value|linear)/w")
 
 
-def pack_params(params):
-    """``params`` with the float32 tied embedding held as a ``PanelTable`` and the float32
-    attention projections as ``PanelWeight`` (others unchanged; the MoE experts are packed by
-    ``model.experts.split_experts``)."""
+def pack_params(params, embedding: bool = True, attention: bool = True):
+    """``params`` with the float32 tied embedding held as a ``PanelTable`` (``embedding``) and the
+    float32 attention projections as ``PanelWeight`` (``attention``); others unchanged (the MoE
+    experts are packed by ``model.experts.split_experts``)."""
     from model.sharding import path_str
 
     def one(path, w):
         if isinstance(w, (PanelWeight, PanelTable)) or not hasattr(w, "dtype") or w.dtype != jnp.float32:
             return w
         name = path_str(path)
-        if name == EMBEDDING:
+        if name == EMBEDDING and embedding:
             return PanelTable.of(w)
-        if ATTENTION.fullmatch(name) and w.ndim == 2:
+        if ATTENTION.fullmatch(name) and w.ndim == 2 and attention:
             return PanelWeight.of(w)
         return w
 

@@ -7,9 +7,10 @@
 // larger than the caches. XLA:CPU runs products of 2 to 32 rows at 10-20 GB/s of weights, and a
 // register-blocked kernel reading the plain [K, N] layout was no better: each row of a column
 // tile lies a whole weight row away from the last, which defeats the hardware prefetchers.
-// Reading a panel front to back streams it. Per panel, 8 rows of x at a time (the last 1-12 in
-// one pass) are accumulated in registers (rows x 2 vectors of 16 floats); panels are split into
-// chunks that the caller and XLA's intra-op thread pool take from one counter.
+// Reading a panel front to back streams it. Per panel, a block of rows of x at a time is
+// accumulated in registers (rows x the panel's 32 floats: 8 rows of 2 vectors with AVX-512, 3 of
+// 4 with AVX2); panels are split into chunks that the caller and XLA's intra-op thread pool take
+// from one counter.
 //
 // grouped_panel_matmul is the MoE's: rows grouped by expert, each group against its own
 // expert's panels, every expert in one call.
@@ -26,55 +27,52 @@ using Panels = ffi::Buffer<ffi::F32, 3>;  // aliases: a macro argument cannot ho
 using ExpertPanels = ffi::Buffer<ffi::F32, 4>;
 using Rows = ffi::Buffer<ffi::F32, 2>;
 using Sizes = ffi::Buffer<ffi::S32, 1>;
+constexpr int kPanelVectors = kPanel / kLanes;  // 2 with AVX-512, 4 with AVX2
+// Rows multiplied per pass over a panel: kRowBlock at a time, and the last 1 to kMaxRows in one
+// pass, so that their accumulators (rows x kPanelVectors) and one broadcast fit in the registers:
+// 8 and 12 rows with AVX-512's 32 (up to 24 accumulators), 3 and 3 with AVX2's 16 (12).
+constexpr int kMaxRows = kVectorRegisters >= 32 ? 12 : (kVectorRegisters - 1) / kPanelVectors;
+constexpr int kRowBlock = kVectorRegisters >= 32 ? 8 : kMaxRows;
+
 // out[m0 .. m0 + MB, columns of panel p] for one panel; `cols` of its 32 columns are real.
 template <int MB>
 void panel(const float* x, const float* w, float* out, int64_t m0, int64_t n, int64_t k, int64_t p) {
-  v16 acc[MB][2] = {};
+  vec acc[MB][kPanelVectors] = {};
   const float* wp = w + p * k * kPanel;
   for (int64_t i = 0; i < k; ++i) {
-    v16 lo = load(wp + i * kPanel), hi = load(wp + i * kPanel + 16);
+    vec row[kPanelVectors];
+    for (int v = 0; v < kPanelVectors; ++v) row[v] = load_vec(wp + i * kPanel + v * kLanes);
     for (int m = 0; m < MB; ++m) {
       float a = x[(m0 + m) * k + i];
-      acc[m][0] += a * lo;
-      acc[m][1] += a * hi;
+      for (int v = 0; v < kPanelVectors; ++v) acc[m][v] += a * row[v];
     }
   }
   int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
   for (int m = 0; m < MB; ++m) {
     float* o = out + (m0 + m) * n + col;
-    if (cols == kPanel) {
-      store(o, acc[m][0]);
-      store(o + 16, acc[m][1]);
-    } else {
-      float tmp[kPanel];
-      store(tmp, acc[m][0]);
-      store(tmp + 16, acc[m][1]);
-      std::memcpy(o, tmp, cols * sizeof(float));
-    }
+    float tmp[kPanel];
+    float* dst = cols == kPanel ? o : tmp;
+    for (int v = 0; v < kPanelVectors; ++v) store_vec(dst + v * kLanes, acc[m][v]);
+    if (cols != kPanel) std::memcpy(o, tmp, cols * sizeof(float));
   }
 }
 
-// All rows against panels p0 .. p1: 8 rows at a time, and the last 1 to 12 in one pass (up to
-// 24 accumulators of the 32 vector registers), so each panel is read once per 8 rows at most.
+template <int MB>
+void rest(const float* x, const float* w, float* out, int64_t m, int64_t rows, int64_t n, int64_t k, int64_t p) {
+  if constexpr (MB > 0) {
+    if (rows - m == MB) return panel<MB>(x, w, out, m, n, k, p);
+    rest<MB - 1>(x, w, out, m, rows, n, k, p);
+  }
+}
+
+// All rows against panels p0 .. p1: kRowBlock rows at a time, and the last 1 to kMaxRows in one
+// pass, so each panel is read once per kRowBlock rows at most.
 void panels(const float* x, const float* w, float* out, int64_t rows, int64_t n, int64_t k, int64_t p0,
             int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     int64_t m = 0;
-    for (; rows - m > 12; m += 8) panel<8>(x, w, out, m, n, k, p);
-    switch (rows - m) {
-      case 12: panel<12>(x, w, out, m, n, k, p); break;
-      case 11: panel<11>(x, w, out, m, n, k, p); break;
-      case 10: panel<10>(x, w, out, m, n, k, p); break;
-      case 9: panel<9>(x, w, out, m, n, k, p); break;
-      case 8: panel<8>(x, w, out, m, n, k, p); break;
-      case 7: panel<7>(x, w, out, m, n, k, p); break;
-      case 6: panel<6>(x, w, out, m, n, k, p); break;
-      case 5: panel<5>(x, w, out, m, n, k, p); break;
-      case 4: panel<4>(x, w, out, m, n, k, p); break;
-      case 3: panel<3>(x, w, out, m, n, k, p); break;
-      case 2: panel<2>(x, w, out, m, n, k, p); break;
-      case 1: panel<1>(x, w, out, m, n, k, p); break;
-    }
+    for (; rows - m > kMaxRows; m += kRowBlock) panel<kRowBlock>(x, w, out, m, n, k, p);
+    rest<kMaxRows>(x, w, out, m, rows, n, k, p);
   }
 }
 
