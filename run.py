@@ -38,6 +38,10 @@ def parse_args(argv):
     p.add_argument("--mesh", default=None, help="device mesh DATA,MODEL (default 1,1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation dtype "
                    "(default: the checkpoint's; float32 is used on CPU, where bf16 matmuls are slow)")
+    p.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
+                   help="the CPU kernels of model/panel.py on one CPU device: auto takes each where it is "
+                   "measured faster than XLA's op on this CPU (measured once per machine and cached); on "
+                   "insists on all, off keeps XLA's (default auto)")
     p.add_argument("--compile-cache", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
         help="directory of JAX's persistent compilation cache, so a second start skips XLA "
@@ -152,13 +156,15 @@ def main(argv=None) -> int:
         piped = sys.stdin is not None and not sys.stdin.isatty()
         prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()] if piped else []
         prompts = prompts or [DEFAULT_PROMPT]  # nothing piped in: the default prompt
+    kernels = {"auto": None, "on": True, "off": False}[args.kernels]
     try:
         requests = [Request(p, temperature=args.temperature, nucleus_p=args.top_p, top_k=args.top_k,
                             rng_seed=args.seed + i, max_len=args.max_tokens) for i, p in enumerate(prompts)]
         from checkpoints import CheckpointError
 
         runner = InferenceRunner(
-            runner=ModelRunner(checkpoint_path=checkpoint, model=config, dtype=args.dtype),
+            runner=ModelRunner(checkpoint_path=checkpoint, model=config, dtype=args.dtype,
+                               expert_panels=kernels, sampler_kernel=kernels),
             tokenizer_path=args.tokenizer, local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
             batch_size=args.batch_size)
         runner.initialize()
@@ -167,6 +173,8 @@ def main(argv=None) -> int:
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for line in runner.runner.kernel_report().splitlines():
+        print(f"kernels: {line}", file=sys.stderr)
 
     single = len(requests) == 1
     texts = {r.request_id: [] for r in requests}

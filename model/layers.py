@@ -81,9 +81,12 @@ def rotary_embedding(x_BTnH, positions_BT, base: float):
 
 
 class MultiHeadAttention(nn.Module):
-    """Grouped-query attention with RoPE, Grok-1's logit soft-cap and an optional KV cache."""
+    """Grouped-query attention with RoPE, Grok-1's logit soft-cap and an optional KV cache.
+    ``decode_kernel``: a decode step's attention on the CPU kernel (``panel.decode_attention``,
+    float32 caches), where the runner chose it."""
 
     config: ModelConfig
+    decode_kernel: bool = False
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, mask_BTS, cache=None):
@@ -94,7 +97,7 @@ class MultiHeadAttention(nn.Module):
         ``positions_BT`` first and the keys are the whole cache; the updated cache is returned.
         """
         c = self.config
-        d, n, k, h, g = c.emb_size, c.num_q_heads, c.num_kv_heads, c.key_size, c.q_per_kv
+        d, n, k, h = c.emb_size, c.num_q_heads, c.num_kv_heads, c.key_size
         dtype = x_BTD.dtype
         b, t, _ = x_BTD.shape
         wq = Weight((d, n * h), name="query")()
@@ -117,9 +120,9 @@ class MultiHeadAttention(nn.Module):
             v_BKSH = v_BKSH.at[rows_BT, :, positions_BT].set(v_BTKH.astype(v_BKSH.dtype), mode="drop")
             k_BKSH, v_BKSH = constrain(k_BKSH, CACHE), constrain(v_BKSH, CACHE)  # never resharded
             cache = (k_BKSH, v_BKSH)
-            if (t == 1 and isinstance(wq, panel.PanelWeight) and k_BKSH.dtype == jnp.float32
+            if (t == 1 and self.decode_kernel and k_BKSH.dtype == jnp.float32
                     and panel.decode_attention_fits(n, k, h)):
-                # a decode step in the runner's CPU kernel layout: read the caches in place
+                # a decode step on the runner's CPU kernel: read the caches in place
                 out_BNH = panel.decode_attention(q_BTNH[:, 0].astype(jnp.float32), k_BKSH, v_BKSH, mask_BTS[:, 0],
                                                  c.attn_output_multiplier, c.attn_logit_cap)
                 return _project(out_BNH.reshape(b, 1, n * h).astype(dtype), wo, dtype), cache
@@ -130,18 +133,27 @@ class MultiHeadAttention(nn.Module):
         else:
             k_BKSH, v_BKSH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
 
-        # GQA: query head j uses KV head j // g (contiguous groups of g query heads).
-        q_BTKGH = q_BTNH.reshape(b, t, k, g, h)
-        logits_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH).astype(jnp.float32)
-        # Grok-1: logits x attn_output_multiplier, then soft-capped at 30 * tanh(x / 30).
-        logits_BKGTS = logits_BKGTS * c.attn_output_multiplier
-        logits_BKGTS = c.attn_logit_cap * jnp.tanh(logits_BKGTS / c.attn_logit_cap)
-        logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
-        weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dtype)  # softmax in float32
-        # per (row, KV head) a plain [G*T, S] @ [S, H] matmul; the small result is transposed after
-        out_BTKGH = jnp.einsum("BKGTS,BKSH->BKGTH", weights_BKGTS, v_BKSH).transpose(0, 3, 1, 2, 4)
-        out_BTD = _project(out_BTKGH.reshape(b, t, n * h), wo, dtype)
+        out_BTNH = attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, c)
+        out_BTD = _project(out_BTNH.reshape(b, t, n * h), wo, dtype)
         return out_BTD, cache
+
+
+def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, c: ModelConfig):
+    """Grouped-query attention of queries ``q [B, T, N, H]`` (rotated) over keys and values
+    ``[B, K, S, H]`` where ``mask [B, T, S]`` allows: ``[B, T, N, H]`` in q's dtype."""
+    b, t, n, h = q_BTNH.shape
+    k, g, dtype = k_BKSH.shape[1], n // k_BKSH.shape[1], q_BTNH.dtype
+    # GQA: query head j uses KV head j // g (contiguous groups of g query heads).
+    q_BTKGH = q_BTNH.reshape(b, t, k, g, h)
+    logits_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH).astype(jnp.float32)
+    # Grok-1: logits x attn_output_multiplier, then soft-capped at 30 * tanh(x / 30).
+    logits_BKGTS = logits_BKGTS * c.attn_output_multiplier
+    logits_BKGTS = c.attn_logit_cap * jnp.tanh(logits_BKGTS / c.attn_logit_cap)
+    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
+    weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dtype)  # softmax in float32
+    # per (row, KV head) a plain [G*T, S] @ [S, H] matmul; the small result is transposed after
+    out_BTKGH = jnp.einsum("BKGTS,BKSH->BKGTH", weights_BKGTS, v_BKSH).transpose(0, 3, 1, 2, 4)
+    return out_BTKGH.reshape(b, t, n, h)
 
 
 def _project(x_BTM, w, dtype):
@@ -327,11 +339,12 @@ class DecoderLayer(nn.Module):
 
     config: ModelConfig
     moe_impl: str = "auto"
+    attention_kernel: bool = False
 
     @nn.compact
     def __call__(self, h_BTD, *, positions_BT, mask_BTS, cache=None):
         c = self.config
-        attn_BTD, cache = MultiHeadAttention(c, name="multi_head_attention")(
+        attn_BTD, cache = MultiHeadAttention(c, self.attention_kernel, name="multi_head_attention")(
             RMSNorm(c.rms_norm_eps, name="rms_norm")(h_BTD), positions_BT, mask_BTS, cache)
         self.sow("intermediates", "attn_out", attn_BTD)
         h_BTD = constrain(h_BTD + RMSNorm(c.rms_norm_eps, name="rms_norm_1")(attn_BTD), RESIDUAL)

@@ -82,6 +82,7 @@ class LanguageModelHead(nn.Module):
 class Transformer(nn.Module):
     config: ModelConfig
     moe_impl: str = "auto"
+    attention_kernel: bool = False
 
     @nn.compact
     def __call__(self, h_BTD, *, positions_BT, mask_BTS, memory: KVMemory | None):
@@ -89,7 +90,8 @@ class Transformer(nn.Module):
         for i in range(self.config.num_layers):
             cache = None if memory is None else (memory.k[i], memory.v[i])
             with jax.named_scope(f"decoder_layer_{i}"):
-                h_BTD, cache = DecoderLayer(self.config, self.moe_impl, name=f"decoder_layer_{i}")(
+                h_BTD, cache = DecoderLayer(self.config, self.moe_impl, self.attention_kernel,
+                                             name=f"decoder_layer_{i}")(
                     h_BTD, positions_BT=positions_BT, mask_BTS=mask_BTS, cache=cache)
             if cache is not None:
                 new_k.append(cache[0])
@@ -124,6 +126,7 @@ class LanguageModel(nn.Module):
 
     config: ModelConfig
     moe_impl: str = "auto"
+    attention_kernel: bool = False  # decode attention on the CPU kernel (model/panel.py)
 
     @nn.compact
     def __call__(self, tokens_BT, memory: KVMemory | None = None, lengths_B=None,
@@ -146,7 +149,7 @@ class LanguageModel(nn.Module):
 
         head = LanguageModelHead(c, name="language_model")
         h_BTD = head.embed(tokens_BT)
-        h_BTD, (k, v) = Transformer(c, self.moe_impl, name="transformer")(
+        h_BTD, (k, v) = Transformer(c, self.moe_impl, self.attention_kernel, name="transformer")(
             h_BTD, positions_BT=positions_BT, mask_BTS=mask_BTS, memory=memory)
         if last_only:
             # Only the last real token's hidden state is unembedded (prefill): [B, 1, D].

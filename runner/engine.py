@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import flax.struct
 import jax
@@ -33,7 +34,10 @@ from model.memory import KVMemory, new_memory
 from model.sharding import (DEFAULT_RULES, activation_sharding, make_mesh, memory_specs, param_shardings,
                             spec_for)
 from model.transformer import LanguageModel
+from runner import calibration
 from runner.sampling import SampleOutput, SampleSettings, sample_token
+
+log = logging.getLogger("grok_runner")
 
 
 @flax.struct.dataclass
@@ -89,23 +93,31 @@ class ModelRunner:
     # Hold each MoE weight as one buffer per expert (model/experts.py), so decode reads only the
     # selected experts, in place. Default: on CPU, when the rules do not shard the experts axis.
     split_experts: bool | None = None
-    # Hold float32 experts, attention projections and the tied embedding in column panels,
-    # multiplied by the C++ kernel of model/panel.py (about 1.5-2x XLA:CPU's speed for a few
-    # rows, and all experts' rows in one call; BENCHMARKS.md). Default:
-    # when split, on a one-device CPU mesh, with float32 activations, where the kernel builds.
-    # True insists (ValueError if not possible), False keeps XLA's dots.
+    # The CPU kernels of model/panel.py, on one CPU device with float32 activations: the experts,
+    # attention projections and tied embedding in column panels with decode attention read in
+    # place (``expert_panels``), and the sampler's top-k/top-p cut and summary (``sampler_kernel``).
+    # Default (None): each operation on its kernel only where runner/calibration.py measured it
+    # faster than XLA's op on this CPU, at this model's shapes. True insists on every kernel of
+    # the group (ValueError if not possible), False keeps XLA's ops.
     expert_panels: bool | None = None
-    # Sample on the CPU kernels of model/sampling.cc: the top-k/top-p cut without sorting each row
-    # of logits (XLA:CPU's sort made a top-p batch-32 step about 5x slower), the top 8 and the
-    # normaliser in one pass. Default: on a one-device CPU mesh, where the kernels build. True
-    # insists, False keeps XLA's ops (a sort, top_k, logsumexp).
     sampler_kernel: bool | None = None
+    # Prompt tokens per prefill call and cache positions per decode step that the calibration
+    # times the kernels at (default: 256 of each, or sequence_len if shorter).
+    calibration_tokens: int | None = None
     tokenizer_path: str | None = dataclasses.field(default=None, init=False)
-    sample_on_kernel: bool = dataclasses.field(default=False, init=False)  # what initialize chose
+    # What initialize chose: operation -> calibration.Choice (why it is or is not on its kernel)
+    kernels: dict = dataclasses.field(default_factory=dict, init=False)
+
+    @property
+    def sample_on_kernel(self) -> bool:
+        return self.kernels.get("sampling_cut") is not None and self.kernels["sampling_cut"].kernel
 
     def initialize(self, mesh: Mesh | None = None, batch_size: int | None = None) -> None:
         self.mesh = mesh or self.mesh or make_mesh((1, 1), jax.devices()[:1])
         self.rules = DEFAULT_RULES if self.rules is None else self.rules
+        one_cpu = self.mesh.size == 1 and self.mesh.devices.flat[0].platform == "cpu"
+        if one_cpu and (self.expert_panels is not False or self.sampler_kernel is not False):
+            panel.prebuild()  # the compiler runs while the checkpoint is restored
         if self.params is None:
             self._restore()
         elif self.model is None:
@@ -122,46 +134,66 @@ class ModelRunner:
         if self.expert_panels and not split:
             raise ValueError("expert_panels=True needs the experts split (split_experts is False, or the "
                              "rules shard the experts axis)")
+        self.kernels = self._choose_kernels(split)
+        on = {op for op, choice in self.kernels.items() if choice.kernel}
+        for choice in self.kernels.values():
+            log.info("kernels: %s", choice.describe())
         if split:
-            panels = self._expert_panels()
-            self.params = split_experts(self.params, panels=panels)
-            if panels:  # the unembedding and attention projections read best on the same kernel
-                self.params = panel.pack_params(self.params)
-        self.sample_on_kernel = self._sampler_kernel()
+            self.params = split_experts(self.params, panels="moe" in on)
+        self.params = panel.pack_params(self.params, embedding="unembed" in on, attention="projections" in on)
         self.param_shardings = param_shardings(self.params, self.mesh, self.rules)
         self.params = jax.device_put(self.params, self.param_shardings)
         self._build()
 
-    def _expert_panels(self) -> bool:
-        why_not = []
-        if self.mesh.devices.flat[0].platform != "cpu" or self.mesh.size != 1:
-            why_not.append(f"it runs on one CPU device (the mesh has {self.mesh.size} "
-                           f"{self.mesh.devices.flat[0].platform} devices)")
+    def kernel_report(self) -> str:
+        """One line per operation: on its kernel or XLA's, and the measured ratio or the reason."""
+        return "\n".join(choice.describe() for choice in self.kernels.values())
+
+    def _choose_kernels(self, split: bool) -> dict[str, calibration.Choice]:
+        """A ``calibration.Choice`` for every kernel operation: forced, declined with the reason,
+        or measured against XLA's op on this CPU."""
+        platform = self.mesh.devices.flat[0].platform
+        common = []
+        if platform != "cpu" or self.mesh.size != 1:
+            common.append(f"it runs on one CPU device (the mesh has {self.mesh.size} {platform} devices)")
+        weights = list(common)
         if jnp.dtype(self.model.fprop_dtype) != jnp.float32:
-            why_not.append(f"it is float32 (activations are {self.model.fprop_dtype})")
+            weights.append(f"it is float32 (activations are {self.model.fprop_dtype})")
         if self.expert_panels:  # only float32 experts are packed; insisting with others would pack nothing
             held = sorted(moe_weight_dtypes(self.params) - {"float32"})
             if held:
-                why_not.append(f"it takes float32 experts, and these are {', '.join(held)} (dequantize=True "
+                weights.append(f"it takes float32 experts, and these are {', '.join(held)} (dequantize=True "
                                f"converts int8 at load)")
-        if not why_not and self.expert_panels is not False and not panel.available():
-            why_not.append(panel.unavailable_reason())
-        if self.expert_panels and why_not:
-            raise ValueError("expert_panels=True, but the panel kernel cannot be used: " + "; ".join(why_not))
-        return not why_not and self.expert_panels is not False
-
-    def _sampler_kernel(self) -> bool:
-        if self.sampler_kernel is False:
-            return False
-        why_not = None
-        if self.mesh.devices.flat[0].platform != "cpu" or self.mesh.size != 1:
-            why_not = (f"it runs on one CPU device (the mesh has {self.mesh.size} "
-                       f"{self.mesh.devices.flat[0].platform} devices)")
-        elif not panel.available():
-            why_not = panel.unavailable_reason()
-        if self.sampler_kernel and why_not:
-            raise ValueError("sampler_kernel=True, but the sampling kernel cannot be used: " + why_not)
-        return why_not is None
+        if not common and (self.expert_panels is not False or self.sampler_kernel is not False) and not panel.available():
+            common.append(panel.unavailable_reason())
+            weights.append(common[-1])
+        groups = [(calibration.WEIGHT_OPERATIONS, self.expert_panels, weights, "expert_panels", "panel kernel"),
+                  (calibration.SAMPLING_OPERATIONS, self.sampler_kernel, common, "sampler_kernel", "sampling kernel")]
+        choices, to_measure = {}, []
+        for operations, insist, why_not, flag, what in groups:
+            if insist and why_not:
+                raise ValueError(f"{flag}=True, but the {what} cannot be used: " + "; ".join(why_not))
+            for op in operations:
+                if insist is False:
+                    choices[op] = calibration.Choice(op, False, reason=f"{flag}=False")
+                elif why_not:
+                    choices[op] = calibration.Choice(op, False, reason="the kernel needs " + "; ".join(why_not))
+                elif insist:
+                    choices[op] = calibration.Choice(op, True, reason=f"{flag}=True")
+                else:
+                    to_measure.append(op)
+        c = self.model
+        if "moe" in to_measure and (not split or moe_weight_dtypes(self.params) - {"float32"}):
+            to_measure.remove("moe")
+            choices["moe"] = calibration.Choice("moe", False, reason="the experts are not float32 and split")
+        if "attention" in to_measure and not panel.decode_attention_fits(c.num_q_heads, c.num_kv_heads, c.key_size):
+            to_measure.remove("attention")
+            choices["attention"] = calibration.Choice("attention", False, reason=(
+                f"the kernel takes head sizes up to {panel.MAX_HEAD} and {panel.MAX_GROUP} query heads a KV head"))
+        if to_measure:
+            tokens = self.calibration_tokens or min(256, c.sequence_len)
+            choices.update(calibration.calibrate(to_measure, c, self.batch_size, tokens, tokens))
+        return {op: choices[op] for op in calibration.OPERATIONS}
 
     def _restore(self) -> None:
         from checkpoints import restore
@@ -198,12 +230,13 @@ class ModelRunner:
     # ---- the four functions ------------------------------------------------------------------
     def _build(self) -> None:
         config, b = self.model, self.batch_size
-        module = LanguageModel(config, self.moe_impl)
+        module = LanguageModel(config, self.moe_impl, attention_kernel=self.kernels["attention"].kernel)
 
         def apply(*args):
             with activation_sharding(self.mesh, self.rules):  # active while tracing only
                 return module.apply(*args)
 
+        sampler = (self.kernels["sampling_cut"].kernel, self.kernels["logits_summary"].kernel)
         abstract_memory = jax.eval_shape(lambda: new_memory(config, b))
         state_sh = self.state_shardings(abstract_memory)
         replicated = self._named(P())
@@ -229,7 +262,7 @@ class ModelRunner:
             # The key is derived from the seed alone, so chunking never changes a request's samples.
             key, sample_key = jax.random.split(jax.random.PRNGKey(seed))
             settings = SampleSettings(temperature=temperature[None], nucleus_p=nucleus_p[None], top_k=top_k[None])
-            sample = sample_token(out.logits[:, -1], settings, sample_key[None], self.sample_on_kernel)
+            sample = sample_token(out.logits[:, -1], settings, sample_key[None], *sampler)
             s = state.settings
             state = DecodeState(
                 memory=new_mem,
@@ -252,7 +285,7 @@ class ModelRunner:
                 valid = state.active
                 lengths = valid.astype(jnp.int32)  # free and finished slots do not advance
                 out = apply({"params": params}, state.tokens[:, None], state.memory, lengths, False, kv_len)
-                sample = sample_token(out.logits[:, 0], state.settings, sample_keys, self.sample_on_kernel)
+                sample = sample_token(out.logits[:, 0], state.settings, sample_keys, *sampler)
                 tokens = jnp.where(valid, sample.token_id, state.tokens)
                 remaining = state.remaining - lengths
                 stopped = jnp.any(tokens[:, None] == state.stop_ids, axis=1)

@@ -87,10 +87,12 @@ def argmax(x_BV):
     return jnp.minimum(first_B, v - 1)  # a row of NaNs has no maximum: its last index, never out of range
 
 
-def sample_token(logits_BV, settings: SampleSettings, keys_B2, kernel: bool = False) -> SampleOutput:
-    """One token per row; ``keys_B2`` are the rows' own PRNG keys for this draw. ``kernel``: on
-    the CPU kernels, cut top-k/top-p (``filter_logits``) and find the top tokens and the
-    normaliser (``model.panel.logits_summary``)."""
+def sample_token(logits_BV, settings: SampleSettings, keys_B2, kernel: bool = False,
+                 summary_kernel: bool | None = None) -> SampleOutput:
+    """One token per row; ``keys_B2`` are the rows' own PRNG keys for this draw. ``kernel``: cut
+    top-k/top-p on the CPU kernel (``filter_logits``); ``summary_kernel`` (default: as ``kernel``):
+    find the top tokens and the normaliser on it (``model.panel.logits_summary``)."""
+    summary_kernel = kernel if summary_kernel is None else summary_kernel
     logits_BV = logits_BV.astype(jnp.float32)
     greedy_B = settings.temperature <= 0
 
@@ -107,7 +109,7 @@ def sample_token(logits_BV, settings: SampleSettings, keys_B2, kernel: bool = Fa
     # The noise costs as much as the rest of sampling; a batch of greedy rows never draws it.
     sampled_B = jax.lax.cond(jnp.all(greedy_B), lambda: jnp.zeros(greedy_B.shape, jnp.int32), draw)
     top = min(TOP_K, logits_BV.shape[-1])
-    if kernel:  # the top 8 and the normaliser in one pass: XLA:CPU's top-8 alone took 1.6 ms at batch 32
+    if summary_kernel:  # the top 8 and the normaliser in one pass: XLA:CPU's top-8 alone took 1.6 ms at batch 32
         top_logits, top_ids, lse_B = panel.logits_summary(logits_BV, top)
         argmax_B = top_ids[:, 0]
     else:

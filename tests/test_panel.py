@@ -160,10 +160,11 @@ def _moe_weight(engine):
 
 
 @needs_kernel
-def test_runner_holds_float32_weights_in_panels_on_one_cpu_device():
+def test_runner_insisting_holds_float32_weights_in_panels_on_one_cpu_device():
     params = init_params(TINY, jax.random.PRNGKey(0))
-    engine = ModelRunner(model=TINY, params=params)
+    engine = ModelRunner(model=TINY, params=params, expert_panels=True, sampler_kernel=True)
     engine.initialize()
+    assert all(choice.kernel for choice in engine.kernels.values()), engine.kernel_report()
     w = _moe_weight(engine)
     assert isinstance(w, panel.PanelWeight) and w.width == TINY.ffn_size
     assert w.shape == (TINY.num_experts, TINY.emb_size, TINY.ffn_size)
@@ -171,9 +172,9 @@ def test_runner_holds_float32_weights_in_panels_on_one_cpu_device():
     attention = engine.params["transformer"]["decoder_layer_0"]["multi_head_attention"]
     assert all(isinstance(attention[name]["w"], panel.PanelWeight) for name in ("query", "key", "value", "linear"))
     assert engine.sample_on_kernel  # the top-k/top-p cut too (tests/test_sampling.py)
-    sorting = ModelRunner(model=TINY, params=params, sampler_kernel=False)
+    sorting = ModelRunner(model=TINY, params=params, expert_panels=True, sampler_kernel=False)
     sorting.initialize()
-    assert not sorting.sample_on_kernel
+    assert not sorting.sample_on_kernel and "sampler_kernel=False" in sorting.kernel_report()
 
 
 def test_runner_keeps_xla_dots_where_the_kernel_does_not_apply():
@@ -189,7 +190,7 @@ def test_runner_keeps_xla_dots_where_the_kernel_does_not_apply():
     sharded.initialize()
     assert isinstance(_moe_weight(sharded), ExpertWeights)
     assert not isinstance(sharded.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
-    assert not sharded.sample_on_kernel and off.sample_on_kernel == panel.available()
+    assert not sharded.sample_on_kernel and "one CPU device" in sharded.kernel_report()
     with pytest.raises(ValueError, match="one CPU device"):
         ModelRunner(model=TINY, params=params, mesh=mesh, expert_panels=True).initialize()
     with pytest.raises(ValueError, match="sampling kernel cannot be used: it runs on one CPU device"):

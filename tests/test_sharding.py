@@ -137,9 +137,10 @@ def test_meshes_match_single_device(shard_params, plain_params, single_device, s
     assert generate(runner) == want_tokens
     # outputs carry the declared shardings; on CPU the runner holds MoE weights one buffer per
     # expert, each with the stacked spec less its (unsharded) experts entry, or, on one device,
-    # in panels for the kernel of model/panel.py
+    # in panels for the kernel of model/panel.py where the runner measured that faster
     w = engine.params["transformer"]["decoder_layer_1"]["moe"]["linear"]["w"]
-    if mesh.size == 1 and panel.available():
+    if engine.kernels["moe"].kernel:
+        assert mesh.size == 1 and panel.available()
         assert isinstance(w, panel.PanelWeight) and w.shape[0] == SHARD.num_experts
         assert w.panels.sharding.spec == P() and w.panels.sharding.mesh.shape == mesh.shape
     else:

@@ -1,0 +1,332 @@
+"""Which CPU kernels a runner takes: each timed against the XLA operation it replaces, on this CPU.
+
+The C++ kernels of ``model/panel.py`` were tuned on one CPU (a Zen 4 with AVX-512). On another
+(other vector registers, caches or bandwidth) XLA's own operation can be the faster one: the
+issue that brought this module measured the kernels 2-4x slower than XLA on an AVX2-only EPYC.
+So on one CPU device the runner takes a kernel only where it is measured faster here: each
+operation is timed both ways, at the shapes the runner calls it with, and the kernel is taken
+only if it wins at every one of them (a decode-time win does not buy a prefill-time loss).
+
+Operations (the XLA op each replaces in brackets), and the shapes timed:
+- ``moe``: the experts as one grouped panel matmul per weight (XLA's dots on the split experts,
+  ``model.layers._grouped_moe``), at decode (``batch`` tokens) and prefill (``prefill_tokens``);
+- ``projections``: the attention's query/key/value/output projections (``einsum``), same shapes;
+- ``unembed``: the tied unembedding of every slot's last hidden state (``einsum``), at decode;
+- ``attention``: a decode step's attention read from the cache (``model.layers.attend``), over a
+  cache of ``kv_len`` positions;
+- ``sampling_cut``: the top-k/top-p cut by radix select (a sort, ``runner.sampling.sorted_threshold``);
+- ``logits_summary``: the top 8, normaliser and argmax in one pass (``top_k``, ``logsumexp``, argmax).
+
+Weights are synthetic, of the model's shapes, one set per layer up to ``MAX_BYTES`` per operation
+and layout, so a timed call streams from memory as the model's own step does. Both ways are
+compiled side by side, then timed taking turns call by call (the host's bandwidth moves), and the
+medians compared. A full calibration takes a few seconds; its result is cached beside the kernel
+library (``panel.library_path()``, keyed as the library is: sources, compiler, jax, CPU) under a
+key naming the operation and its shapes, so a later start on this machine only reads it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model import panel
+from model.config import ModelConfig
+from model.experts import split_experts
+from model.layers import _grouped_moe, _panel_moe, _project, attend, group_size
+from runner.sampling import SampleSettings, argmax, sorted_threshold
+
+log = logging.getLogger("grok_runner")
+
+WEIGHT_OPERATIONS = ("moe", "projections", "unembed", "attention")
+SAMPLING_OPERATIONS = ("sampling_cut", "logits_summary")
+OPERATIONS = WEIGHT_OPERATIONS + SAMPLING_OPERATIONS
+MAX_BYTES = 256 << 20  # synthetic weights per operation and layout: beyond the caches, within memory
+TIME_BUDGET = 0.05  # seconds of timed calls per shape and way, beyond the minimum repeats
+MIN_REPEATS, MAX_REPEATS = 5, 25
+MIN_CALL = 0.002  # seconds: a timed call of a small operation runs it this long, on device
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One shape of one operation: median seconds a call on the kernel and on XLA's op."""
+
+    phase: str  # "decode" or "prefill"
+    rows: int  # tokens in the call
+    kernel_s: float
+    xla_s: float
+
+    @property
+    def speedup(self) -> float:
+        """XLA's time over the kernel's: above 1 the kernel is faster."""
+        return self.xla_s / self.kernel_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """Whether ``operation`` runs on its kernel, and why: measured, forced, or not possible."""
+
+    operation: str
+    kernel: bool
+    measurements: tuple[Measurement, ...] = ()
+    reason: str = ""  # without measurements: why it was forced or declined
+
+    def describe(self) -> str:
+        way = "kernel" if self.kernel else "XLA"
+        if not self.measurements:
+            return f"{self.operation}: {way} ({self.reason})"
+        ratios = ", ".join(f"{m.phase} {m.rows} rows {m.speedup:.2f}x" for m in self.measurements)
+        return f"{self.operation}: {way} (kernel speed / XLA's: {ratios})"
+
+
+def decide(operation: str, measurements) -> Choice:
+    """The kernel only if it is faster at every shape measured."""
+    measurements = tuple(measurements)
+    return Choice(operation, all(m.kernel_s < m.xla_s for m in measurements), measurements)
+
+
+# ---- the operations, both ways ---------------------------------------------------------------
+def _layers(config: ModelConfig, bytes_per_layer: int) -> int:
+    """Layers of synthetic weights: the model's, up to MAX_BYTES (at least one)."""
+    return max(1, min(config.num_layers, MAX_BYTES // max(1, bytes_per_layer)))
+
+
+def _chain(one):
+    """A call that runs ``one(x, weights)`` for every layer's weights, ``passes`` times over (a
+    loop on device: a small operation is timed over many runs, not against the cost of a
+    dispatch, since in the model it runs inside one compiled step). Each input depends on the
+    last output, as a step's layers do, so no run can be overlapped with another or skipped."""
+    def run(x, layers, passes):
+        def chain(_, x):
+            for weights in layers:
+                x = x + 1e-6 * one(x, weights)
+            return x
+        return jax.lax.fori_loop(0, passes, chain, x)
+    return run
+
+
+def _normal(rng, shape, scale=0.02):
+    """Uniform values of about ``scale``: a kernel's speed does not depend on them, and a normal
+    draw of the synthetic weights took a quarter of a calibration."""
+    x = rng.random(shape, np.float32)
+    x -= 0.5
+    x *= 2 * scale
+    return x
+
+
+def _moe(config: ModelConfig, tokens: int, rng):
+    c = config
+    d, f, e, top = c.emb_size, c.ffn_size, c.num_experts, c.num_selected_experts
+    layers = _layers(c, 3 * e * d * f * 4)
+    xla_layers, kernel_layers = [], []
+    for i in range(layers):
+        stacked = {"moe": {"linear": {"w": _normal(rng, (e, d, f))}, "linear_v": {"w": _normal(rng, (e, d, f))},
+                           "linear_1": {"w": _normal(rng, (e, f, d))}}}
+        for out, panels in ((xla_layers, False), (kernel_layers, True)):
+            split = split_experts(stacked, panels=panels)["moe"]
+            out.append(tuple(split[name]["w"] for name in ("linear", "linear_v", "linear_1")))
+    # uniform routing, as an untrained router spreads tokens
+    idx_Mk = jnp.asarray(np.stack([rng.permutation(e)[:top] for _ in range(tokens)]), jnp.int32)
+    gates_Mk = jnp.full((tokens, top), 1.0 / top, jnp.float32)
+    rows = group_size(tokens, c)
+
+    def xla(x, w):
+        return _grouped_moe(x, gates_Mk, idx_Mk, w, e, rows, jnp.float32)
+
+    def kernel(x, w):
+        return _panel_moe(x, gates_Mk, idx_Mk, w, e, dense=False)
+
+    return _normal(rng, (tokens, d), 1.0), (kernel, kernel_layers), (xla, xla_layers)
+
+
+def _projections(config: ModelConfig, tokens: int, rng):
+    c = config
+    d, nh, kh = c.emb_size, c.num_q_heads * c.key_size, c.num_kv_heads * c.key_size
+    shapes = ((d, nh), (d, kh), (d, kh), (nh, d))
+    layers = _layers(c, sum(a * b for a, b in shapes) * 4)
+    xla_layers = [tuple(jnp.asarray(_normal(rng, s)) for s in shapes) for _ in range(layers)]
+    kernel_layers = [tuple(panel.PanelWeight.of(np.asarray(w)) for w in ws) for ws in xla_layers]
+
+    def one(x_BTD, ws):
+        wq, wk, wv, wo = ws
+        q = _project(x_BTD, wq, jnp.float32)
+        kv = _project(x_BTD, wk, jnp.float32) + _project(x_BTD, wv, jnp.float32)
+        return _project(q, wo, jnp.float32) + jnp.sum(kv, axis=-1, keepdims=True)
+
+    return _normal(rng, (1, tokens, d), 1.0), (one, kernel_layers), (one, xla_layers)
+
+
+def _unembed(config: ModelConfig, rows: int, rng):
+    table = _normal(rng, (config.vocab_size, config.emb_size))
+    x = _normal(rng, (1, rows, config.emb_size), 1.0)
+
+    def kernel(h, t):
+        return jnp.sum(t.unembed(h), axis=-1, keepdims=True)
+
+    def xla(h, t):
+        return jnp.sum(jnp.einsum("BTD,VD->BTV", h, t), axis=-1, keepdims=True)
+
+    return x, (kernel, [panel.PanelTable.of(table)]), (xla, [jnp.asarray(table)])
+
+
+def _attention(config: ModelConfig, batch: int, kv_len: int, rng):
+    c = config
+    n, k, h = c.num_q_heads, c.num_kv_heads, c.key_size
+    # Caches of the model's full length, attended over their first kv_len positions, as a decode
+    # step does: XLA copies those positions out of each cache first, the kernel reads them in place.
+    length = c.sequence_len
+    layers = _layers(c, 2 * batch * k * length * h * 4)
+    caches = [tuple(jnp.asarray(_normal(rng, (batch, k, length, h), 1.0)) for _ in range(2)) for _ in range(layers)]
+    mask_BS = jnp.arange(kv_len)[None, :] < jnp.full((batch, 1), kv_len - kv_len // 4)  # a bucket is never full
+
+    def kernel(q_BNH, kv):
+        return panel.decode_attention(q_BNH, kv[0], kv[1], mask_BS, c.attn_output_multiplier, c.attn_logit_cap)
+
+    def xla(q_BNH, kv):
+        return attend(q_BNH[:, None], kv[0][:, :, :kv_len], kv[1][:, :, :kv_len], mask_BS[:, None], c)[:, 0]
+
+    return _normal(rng, (batch, n, h), 1.0), (kernel, caches), (xla, caches)
+
+
+def _sampling(config: ModelConfig, batch: int, rng, cut: bool):
+    logits = jnp.asarray(_normal(rng, (batch, config.vocab_size), 3.0))
+    settings = SampleSettings(temperature=jnp.full((batch,), 0.8), nucleus_p=jnp.full((batch,), 0.95),
+                              top_k=jnp.zeros((batch,), jnp.int32))
+    if cut:
+        kernel = lambda x, _: panel.filter_threshold(x, settings.top_k, settings.nucleus_p)[:, None]  # noqa: E731
+        xla = lambda x, _: sorted_threshold(x, settings)[:, None]  # noqa: E731
+    else:
+        def kernel(x, _):
+            values, ids, lse = panel.logits_summary(x, 8)
+            return values[:, :1] + ids[:, :1] + lse[:, None]
+
+        def xla(x, _):
+            values, ids = jax.lax.top_k(x, 8)
+            return values[:, :1] + ids[:, :1] + jax.nn.logsumexp(x, axis=-1)[:, None] + argmax(x)[:, None]
+    return logits, (kernel, [None]), (xla, [None])
+
+
+def _shapes(operation: str, config: ModelConfig, batch: int, prefill_tokens: int, kv_len: int):
+    """(phase, rows, builder) for each shape ``operation`` is called with."""
+    if operation in ("moe", "projections"):
+        build = _moe if operation == "moe" else _projections
+        return [("decode", batch, lambda rng: build(config, batch, rng)),
+                ("prefill", prefill_tokens, lambda rng: build(config, prefill_tokens, rng))]
+    if operation == "unembed":
+        return [("decode", batch, lambda rng: _unembed(config, batch, rng))]
+    if operation == "attention":
+        return [("decode", batch, lambda rng: _attention(config, batch, kv_len, rng))]
+    cut = operation == "sampling_cut"
+    return [("decode", batch, lambda rng: _sampling(config, batch, rng, cut))]
+
+
+def _key(operation: str, phase: str, rows: int, config: ModelConfig, kv_len: int) -> str:
+    c = config
+    dims = (f"D{c.emb_size} F{c.ffn_size} E{c.num_experts}k{c.num_selected_experts} N{c.num_q_heads} "
+            f"K{c.num_kv_heads} H{c.key_size} V{c.vocab_size} L{c.num_layers}")
+    extra = f" S{kv_len}/{c.sequence_len}" if operation == "attention" else ""
+    return f"{operation} {phase} rows{rows}{extra} {dims}"
+
+
+# ---- timing ----------------------------------------------------------------------------------
+def _time_both(kernel_call, xla_call) -> tuple[float, float]:
+    """Median seconds of one pass of each call (``call(passes)``), timed taking turns, in about
+    TIME_BUDGET each: as many passes a call as make it last MIN_CALL seconds."""
+    def seconds(call, passes):
+        start = time.perf_counter()
+        jax.block_until_ready(call(np.int32(passes)))
+        return time.perf_counter() - start
+
+    calls = (kernel_call, xla_call)
+    first = [seconds(call, 1) for call in calls]  # also warms up: kept out of the medians
+    passes = max(1, min(1000, int(MIN_CALL / max(1e-6, min(first)))))
+    times = ([], [])
+    deadline = time.perf_counter() + 2 * TIME_BUDGET
+    while len(times[0]) < MIN_REPEATS or (len(times[0]) < MAX_REPEATS and time.perf_counter() < deadline):
+        for call, out in zip(calls, times):
+            out.append(seconds(call, passes) / passes)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _measure(shapes) -> list[Measurement]:
+    """Build, compile (side by side) and time every (operation, phase, rows, builder) both ways."""
+    rng = np.random.default_rng(0)
+    built = [(phase, rows, builder(rng)) for _, phase, rows, builder in shapes]
+    calls = []
+    for _, _, (x, (kernel_one, kernel_w), (xla_one, xla_w)) in built:
+        for one, weights in ((kernel_one, kernel_w), (xla_one, xla_w)):
+            calls.append((jax.jit(_chain(one)), x, weights))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(calls), os.cpu_count() or 1)) as pool:
+        compiled = list(pool.map(lambda c: c[0].lower(c[1], c[2], np.int32(1)).compile(), calls))
+    out = []
+    for i, (phase, rows, _) in enumerate(built):
+        (k_fn, x_fn), ((_, k_x, k_w), (_, x_x, x_w)) = compiled[2 * i: 2 * i + 2], calls[2 * i: 2 * i + 2]
+        kernel_s, xla_s = _time_both(lambda n: k_fn(k_x, k_w, n), lambda n: x_fn(x_x, x_w, n))
+        out.append(Measurement(phase, rows, kernel_s, xla_s))
+    return out
+
+
+def _cache_path() -> Path | None:
+    lib = panel.library_path()
+    return None if lib is None else lib.with_suffix(".calibration.json")
+
+
+def _read_cache(path: Path | None) -> dict:
+    if path is None or not path.is_file():
+        return {}
+    try:
+        entries = json.loads(path.read_text())
+        return entries if isinstance(entries, dict) else {}
+    except (OSError, ValueError):  # unreadable or torn: calibrate again
+        return {}
+
+
+def _write_cache(path: Path | None, entries: dict) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        os.replace(tmp, path)  # atomic: a concurrent start reads the old file or the new one
+    except OSError as e:
+        log.warning("kernel calibration not cached at %s: %s", path, e)
+
+
+def calibrate(operations, config: ModelConfig, batch: int, prefill_tokens: int, kv_len: int,
+              cache: bool = True) -> dict[str, Choice]:
+    """A ``Choice`` per operation (names from ``OPERATIONS``), each measured at its shapes for
+    ``config`` with ``batch`` slots, prefill chunks of ``prefill_tokens`` and decode attention over
+    ``kv_len`` cache positions; measured shapes come from (and go to) the cache beside the kernel
+    library unless ``cache`` is False. The kernels must be available."""
+    path = _cache_path() if cache else None
+    entries = _read_cache(path)
+    todo, keyed = [], {}
+    for op in operations:
+        if op not in OPERATIONS:
+            raise ValueError(f"calibrate: unknown operation {op!r}, expected one of {OPERATIONS}")
+        for phase, rows, builder in _shapes(op, config, batch, prefill_tokens, kv_len):
+            key = _key(op, phase, rows, config, kv_len)
+            keyed.setdefault(op, []).append(key)
+            if not (isinstance(entries.get(key), dict) and {"kernel_s", "xla_s"} <= entries[key].keys()):
+                todo.append((key, op, phase, rows, builder))
+    if todo:
+        start = time.perf_counter()
+        for (key, *_), m in zip(todo, _measure([t[1:] for t in todo])):
+            entries[key] = {"phase": m.phase, "rows": m.rows, "kernel_s": m.kernel_s, "xla_s": m.xla_s}
+        log.info("kernel calibration: %d shapes in %.1f s", len(todo), time.perf_counter() - start)
+        if cache:
+            _write_cache(path, {**_read_cache(path), **entries})
+    return {op: decide(op, (Measurement(entries[k]["phase"], int(entries[k]["rows"]), float(entries[k]["kernel_s"]),
+                                        float(entries[k]["xla_s"])) for k in keys))
+            for op, keys in keyed.items()}

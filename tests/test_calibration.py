@@ -1,0 +1,148 @@
+"""Which kernels a runner takes (runner/calibration.py): a kernel measured slower is never taken,
+the measurement is cached, insisting skips it, and the AVX2 build of the kernels is correct."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from model import TINY, panel
+from model.experts import ExpertWeights
+from runner import ModelRunner, calibration
+from runner.calibration import Measurement
+
+needs_kernel = pytest.mark.skipif(not panel.available(), reason=f"panel kernel: {panel.unavailable_reason()}")
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """A kernel cache of this test's own (the library is built again into it only if missing)."""
+    monkeypatch.setenv("GROK_RUNNER_KERNEL_CACHE", str(tmp_path))
+    lib = panel.library_path()
+    assert lib.parent == tmp_path
+    return lib.with_suffix(".calibration.json")
+
+
+def test_a_kernel_is_taken_only_where_it_is_faster_at_every_shape():
+    fast = Measurement("decode", 8, kernel_s=1.0, xla_s=2.0)
+    slow = Measurement("prefill", 256, kernel_s=3.0, xla_s=2.0)
+    assert calibration.decide("moe", [fast]).kernel
+    assert not calibration.decide("moe", [fast, slow]).kernel  # a decode win does not buy a prefill loss
+    assert not calibration.decide("moe", [Measurement("decode", 1, 2.0, 2.0)]).kernel  # a tie keeps XLA
+    described = calibration.decide("moe", [fast, slow]).describe()
+    assert described == "moe: XLA (kernel speed / XLA's: decode 8 rows 2.00x, prefill 256 rows 0.67x)"
+
+
+@needs_kernel
+def test_the_runner_declines_a_kernel_the_calibration_finds_slower(tiny_params, private_cache, monkeypatch):
+    slower = {"moe", "unembed", "sampling_cut"}
+
+    def measure(shapes):
+        measure.calls += 1
+        return [Measurement(phase, rows, 2.0, 1.0) if op in slower else Measurement(phase, rows, 1.0, 2.0)
+                for op, phase, rows, _ in shapes]
+
+    measure.calls = 0
+    monkeypatch.setattr(calibration, "_measure", measure)
+    engine = ModelRunner(model=TINY, params=tiny_params)
+    engine.initialize()
+    assert measure.calls == 1
+    taken = {op for op, choice in engine.kernels.items() if choice.kernel}
+    assert taken == set(calibration.OPERATIONS) - slower, engine.kernel_report()
+    layer = engine.params["transformer"]["decoder_layer_0"]
+    assert isinstance(layer["moe"]["linear"]["w"], ExpertWeights)  # XLA's layout for the slower MoE
+    assert isinstance(layer["multi_head_attention"]["query"]["w"], panel.PanelWeight)  # the faster projections
+    assert not isinstance(engine.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
+    assert not engine.sample_on_kernel and engine.kernels["logits_summary"].kernel
+    assert "moe: XLA (kernel speed / XLA's: decode 1 rows 0.50x, prefill 64 rows 0.50x)" in engine.kernel_report()
+
+    # the measurement is cached beside the library: a second runner of the same shapes only reads it
+    cached = json.loads(private_cache.read_text())
+    assert len(cached) == 8 and all(entry["kernel_s"] > 0 for entry in cached.values())
+    again = ModelRunner(model=TINY, params=tiny_params)
+    again.initialize()
+    assert measure.calls == 1 and again.kernel_report() == engine.kernel_report()
+    # another batch size is another shape: measured once more
+    ModelRunner(model=TINY, params=tiny_params, bs_per_device=2).initialize()
+    assert measure.calls == 2
+
+    # the model still computes the same with its mixed layouts
+    tokens = np.array([[5, 9, 13, 2]], np.int32)
+    xla = ModelRunner(model=TINY, params=tiny_params, expert_panels=False, sampler_kernel=False)
+    xla.initialize()
+    lengths = np.array([4], np.int32)
+    np.testing.assert_allclose(engine.forward(engine.params, tokens, lengths),
+                               xla.forward(xla.params, tokens, lengths), atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_insisting_or_refusing_never_measures(tiny_params, private_cache, monkeypatch):
+    def measure(shapes):
+        raise AssertionError("measured although every choice was given")
+
+    monkeypatch.setattr(calibration, "_measure", measure)
+    forced = ModelRunner(model=TINY, params=tiny_params, expert_panels=True, sampler_kernel=True)
+    forced.initialize()
+    assert all(choice.kernel for choice in forced.kernels.values())
+    assert "moe: kernel (expert_panels=True)" in forced.kernel_report()
+    off = ModelRunner(model=TINY, params=tiny_params, expert_panels=False, sampler_kernel=False)
+    off.initialize()
+    assert not any(choice.kernel for choice in off.kernels.values())
+    assert not private_cache.exists()
+
+
+@needs_kernel
+def test_a_real_calibration_times_every_operation(private_cache):
+    choices = calibration.calibrate(calibration.OPERATIONS, TINY, 2, 16, 16)
+    assert list(choices) == list(calibration.OPERATIONS)
+    for op, choice in choices.items():
+        assert choice.measurements and all(m.kernel_s > 0 and m.xla_s > 0 for m in choice.measurements), op
+        assert choice.kernel == all(m.kernel_s < m.xla_s for m in choice.measurements)
+    assert [m.phase for m in choices["moe"].measurements] == ["decode", "prefill"]
+    assert len(json.loads(private_cache.read_text())) == 8
+
+
+def test_a_torn_cache_file_is_measured_again(private_cache, monkeypatch):
+    private_cache.parent.mkdir(parents=True, exist_ok=True)
+    private_cache.write_text("{not json")
+    monkeypatch.setattr(calibration, "_measure", lambda shapes: [Measurement(p, r, 1.0, 2.0) for _, p, r, _ in shapes])
+    choices = calibration.calibrate(["attention"], TINY, 1, 16, 16)
+    assert choices["attention"].kernel
+    assert len(json.loads(private_cache.read_text())) == 1
+    with pytest.raises(ValueError, match="unknown operation 'matmul'"):
+        calibration.calibrate(["matmul"], TINY, 1, 16, 16)
+
+
+AVX2_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+from model import panel
+assert panel.available(), panel.unavailable_reason()
+rng = np.random.default_rng(0)
+for rows in range(0, 15):
+    for k, n in ((64, 96), (33, 37)):
+        x = rng.standard_normal((rows, k), np.float32)
+        w = rng.standard_normal((k, n), np.float32)
+        got = np.asarray(panel.panel_matmul(jnp.asarray(x), jnp.asarray(panel.pack(w)), n))
+        np.testing.assert_allclose(got, x @ w, rtol=1e-4, atol=1e-4)
+print("ok", panel.library_path().name)
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v3 is an x86 target")
+def test_the_avx2_build_of_the_panel_kernel_is_exact(tmp_path):
+    """Built for AVX2 (``-march=x86-64-v3``; 16 vector registers, so 3 rows a pass instead of 8),
+    every row count from 0 to 14 takes the blocks and remainders of that variant."""
+    env = dict(os.environ, GROK_RUNNER_KERNEL_MARCH="x86-64-v3", GROK_RUNNER_KERNEL_CACHE=str(tmp_path),
+               JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("ok kernels-")
+    assert jax.devices()  # the parent's backend is untouched
