@@ -9,6 +9,7 @@ model (vocabulary, context length) when it is submitted, before anything runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import numbers
@@ -16,62 +17,88 @@ from typing import Optional, Sequence, Union
 
 _ids = itertools.count()
 
-FINISH_REASONS = ("eos", "stop", "length", "cancelled")
+FINISH_REASONS = ("eos", "stop", "length", "cancelled", "error")
+INT32_MAX = 2**31 - 1  # token ids, top_k and max_len reach the device as int32
+SEED_LIMIT = 2**32  # seeds reach it as uint32
 
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-@dataclasses.dataclass(eq=False)
+def _ids_of(field: str, value, allow_empty: bool) -> tuple[int, ...]:
+    """``value`` (a list, tuple or 1-D numpy array of integers) as a tuple of ints in [0, 2**31)."""
+    if hasattr(value, "ndim") and hasattr(value, "tolist"):  # numpy arrays and scalars
+        if value.ndim != 1:
+            raise ValueError(f"Request.{field} must be a 1-D sequence of token ids, got an array of shape "
+                             f"{tuple(value.shape)}")
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"Request.{field} must be a list of token ids, got {type(value).__name__}")
+    bad = [t for t in value if not _is_int(t) or not 0 <= t <= INT32_MAX]
+    if bad:
+        raise ValueError(f"Request.{field} must hold integer token ids in [0, 2**31), got {bad[:5]!r}")
+    if not value and not allow_empty:
+        raise ValueError(f"Request.{field} is empty: expected non-empty text or token ids")
+    return tuple(int(t) for t in value)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Request:
+    """What a caller asks for; validated completely when made, and immutable after (a field
+    cannot be changed past its check: ``dataclasses.replace`` makes a new, checked request)."""
+
     prompt: Union[str, Sequence[int]]  # text, or token ids used as they are
     temperature: float = 1.0  # 0 = greedy (exact argmax)
     nucleus_p: float = 1.0  # top-p in (0, 1]; 1 = off
     rng_seed: Optional[int] = None  # None: derived from request_id; the same seed, the same tokens
     max_len: int = 256  # tokens to generate at most
     top_k: int = 0  # 0 = off
-    stop_token_ids: Sequence[int] = ()  # generation ends after any of these (EOS always ends it)
-    request_id: Optional[str] = None  # assigned if None
+    stop_token_ids: Optional[Sequence[int]] = ()  # generation ends after any of these (EOS always ends it)
+    request_id: Optional[str] = None  # assigned if None; unique among the live requests of a runner
 
     def __post_init__(self):
+        set_ = functools.partial(object.__setattr__, self)  # frozen: the checked values are set once, here
         if isinstance(self.prompt, str):
             if not self.prompt:
                 raise ValueError("Request.prompt is empty: expected non-empty text or token ids")
-        elif isinstance(self.prompt, (list, tuple)) or hasattr(self.prompt, "tolist"):
-            ids = list(self.prompt.tolist() if hasattr(self.prompt, "tolist") else self.prompt)
-            if not ids:
-                raise ValueError("Request.prompt is empty: expected non-empty text or token ids")
-            if not all(_is_int(t) for t in ids):
-                raise ValueError(f"Request.prompt token ids must be integers, got {ids[:8]!r}")
-            self.prompt = [int(t) for t in ids]
+            try:
+                self.prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"Request.prompt is not encodable text (UTF-8): {e.reason} at character "
+                                 f"{e.start} ({self.prompt[e.start:e.end]!r})") from None
         else:
-            raise ValueError(f"Request.prompt must be text or a list of token ids, "
-                             f"got {type(self.prompt).__name__}")
+            set_("prompt", list(_ids_of("prompt", self.prompt, allow_empty=False)))
         for name in ("temperature", "nucleus_p"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"Request.{name} must be a finite number, got {value!r}")
+            set_(name, float(value))
         if self.temperature < 0:
             raise ValueError(f"Request.temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not 0 < self.nucleus_p <= 1:
             raise ValueError(f"Request.nucleus_p must be in (0, 1], got {self.nucleus_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"Request.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not _is_int(self.max_len) or self.max_len <= 0:
-            raise ValueError(f"Request.max_len must be a positive integer, got {self.max_len!r}")
-        if self.rng_seed is not None and (not _is_int(self.rng_seed) or not 0 <= self.rng_seed < 2**32):
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"Request.top_k must be an integer in [0, 2**31) (0 = off), got {self.top_k!r}")
+        if not _is_int(self.max_len) or not 0 < self.max_len <= INT32_MAX:
+            raise ValueError(f"Request.max_len must be a positive integer below 2**31, got {self.max_len!r}")
+        if self.rng_seed is not None and (not _is_int(self.rng_seed) or not 0 <= self.rng_seed < SEED_LIMIT):
             raise ValueError(f"Request.rng_seed must be an integer in [0, 2**32) or None, got {self.rng_seed!r}")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not all(_is_int(t) for t in self.stop_token_ids):
-            raise ValueError(f"Request.stop_token_ids must be token ids, got {self.stop_token_ids!r}")
-        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        set_("top_k", int(self.top_k))
+        set_("max_len", int(self.max_len))
+        set_("rng_seed", None if self.rng_seed is None else int(self.rng_seed))
+        stop = () if self.stop_token_ids is None else self.stop_token_ids
+        set_("stop_token_ids", _ids_of("stop_token_ids", stop, allow_empty=True))
         if self.request_id is None:
-            self.request_id = f"req-{next(_ids)}"
+            set_("request_id", f"req-{next(_ids)}")
+        elif not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"Request.request_id must be a non-empty string, got {self.request_id!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenEvent:
-    """One generated token of one request (or, with ``token_id`` None, a cancellation)."""
+    """One generated token of one request, or, with ``token_id`` None, its end without one
+    (finish reason ``cancelled``, or ``error`` with the message in ``error``)."""
 
     request: Request
     index: int  # 0 for the request's first generated token
@@ -80,6 +107,7 @@ class TokenEvent:
     logprob: float  # log-probability of the token under the model (temperature 1)
     top_tokens: tuple  # ((token id, probability), ...) the model's most likely alternatives
     finish_reason: Optional[str] = None  # set on the request's last event: one of FINISH_REASONS
+    error: Optional[str] = None  # with finish reason "error": what went wrong serving this request
 
     @property
     def request_id(self) -> str:
