@@ -2,14 +2,16 @@
 tokenization, the request queue and the streaming ``run()`` (``InferenceRunner``). No model math.
 """
 
-from runner.engine import DecodeState, ModelRunner
+from runner.core import EngineCore
+from runner.engine import ModelRunner
 from runner.requests import Request, TokenEvent
 from runner.runner import Completion, InferenceRunner, RunStream, default_pad_sizes, sample_from_model
 from runner.sampling import SampleOutput, SampleSettings, sample_token
+from runner.state import DecodeState, PrefillArgs
 from runner.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = [
-    "Completion", "DecodeState", "IncrementalDetokenizer", "InferenceRunner", "ModelRunner", "Request",
+    "Completion", "DecodeState", "EngineCore", "PrefillArgs", "IncrementalDetokenizer", "InferenceRunner", "ModelRunner", "Request",
     "RunStream", "SampleOutput", "SampleSettings", "TokenEvent", "Tokenizer", "default_pad_sizes",
     "sample_from_model", "sample_token",
 ]

@@ -3,15 +3,16 @@
 - ``forward(params, tokens, lengths)`` -> logits for whole sequences (scoring, tests, parity).
 - ``new_memory()`` -> a zeroed ``KVMemory`` with its sharding (batch over ``data``, KV heads over
   ``model``).
-- ``prefill_memory(params, state, slot, tokens, length, reset, temperature, nucleus_p, top_k, seed,
-  max_len, stop_ids, kv_len)`` -> writes one request's prompt chunk into ``slot`` of the decode
+- ``prefill_memory(params, state, args, kv_len)`` -> writes one request's prompt chunk
+  (``state.PrefillArgs``: slot, padded tokens, sampling settings, ...) into its slot of the decode
   state and samples its first token; compiled once per pad bucket.
 - ``sample_step(params, state, kv_len, steps)`` -> ``steps`` decode steps of every slot in one
   call (a scan on device, each slot stopping at its EOS, stop tokens or budget), attending to
   the first ``kv_len`` cache positions only; compiled once per KV-length bucket.
 
-The decode state (KV memory, each slot's last token, sampling settings, PRNG key and active flag)
-is one pytree donated to every call, so XLA updates it in place. All shardings are derived from
+The step functions themselves, ``prefill`` and ``decode``, are pure and at module level; this
+class places the parameters, chooses the CPU kernels and jits them. The decode state
+(``runner/state.py``) is one pytree donated to every call, so XLA updates it in place. All shardings are derived from
 the rules in ``model/sharding.py``; sampled outputs are replicated so every host can read them.
 """
 
@@ -21,7 +22,6 @@ import dataclasses
 import functools
 import logging
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,39 +36,9 @@ from model.sharding import (DEFAULT_RULES, activation_sharding, make_mesh, memor
 from model.transformer import LanguageModel
 from runner import calibration
 from runner.sampling import SampleOutput, SampleSettings, sample_token
+from runner.state import MAX_STOP_IDS, DecodeOutput, DecodeState, PrefillArgs
 
 log = logging.getLogger("grok_runner")
-
-
-@flax.struct.dataclass
-class DecodeState:
-    """Everything a decode step reads and writes, one row per batch slot.
-
-    A free slot is a row whose ``active`` flag is False: it still runs through the step (the batch
-    is fixed) but its ``step`` does not advance and its outputs are ignored. ``prefill_memory``
-    with ``reset`` starts a row afresh at step 0; stale K/V beyond ``step`` are never attended to.
-    """
-
-    memory: KVMemory
-    tokens: jax.Array  # [B] int32: each slot's last token, the input of its next step
-    settings: SampleSettings
-    keys: jax.Array  # [B, 2] uint32: each slot's PRNG key
-    active: jax.Array  # [B] bool
-    remaining: jax.Array  # [B] int32: tokens the slot may still generate
-    stop_ids: jax.Array  # [B, MAX_STOP_IDS] int32: ids that end the slot's request (-1 = unused)
-
-
-MAX_STOP_IDS = 8  # EOS plus up to 7 stop tokens per request
-
-
-@flax.struct.dataclass
-class DecodeOutput:
-    """``steps`` decode steps of every slot: ``sample`` fields are ``[steps, B, ...]``; ``valid``
-    says which slots generated a token at that step (a slot stops on device as soon as its request
-    ends, so later steps of the same call are not valid for it)."""
-
-    sample: SampleOutput
-    valid: jax.Array  # [steps, B] bool
 
 
 @dataclasses.dataclass
@@ -248,70 +218,20 @@ class ModelRunner:
         def _new_memory():
             return new_memory(config, b)
 
-        def prefill(params, state, slot, tokens_1T, length, reset, temperature, nucleus_p, top_k, seed,
-                    max_len, stop_ids, kv_len):
-            mem = state.memory
-            row = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)  # noqa: E731
-            put = lambda full, r: jax.lax.dynamic_update_slice_in_dim(full, r.astype(full.dtype), slot, axis=0)  # noqa: E731
-            step = jnp.where(reset, 0, row(mem.step))
-            row_memory = KVMemory(k=tuple(row(k) for k in mem.k), v=tuple(row(v) for v in mem.v), step=step)
-            out = apply({"params": params}, tokens_1T, row_memory, length[None], True, kv_len)
-            new_mem = KVMemory(k=tuple(put(f, r) for f, r in zip(mem.k, out.memory.k)),
-                               v=tuple(put(f, r) for f, r in zip(mem.v, out.memory.v)),
-                               step=put(mem.step, out.memory.step))
-            # The key is derived from the seed alone, so chunking never changes a request's samples.
-            key, sample_key = jax.random.split(jax.random.PRNGKey(seed))
-            settings = SampleSettings(temperature=temperature[None], nucleus_p=nucleus_p[None], top_k=top_k[None])
-            sample = sample_token(out.logits[:, -1], settings, sample_key[None], *sampler)
-            s = state.settings
-            state = DecodeState(
-                memory=new_mem,
-                tokens=state.tokens.at[slot].set(sample.token_id[0]),
-                settings=SampleSettings(temperature=s.temperature.at[slot].set(temperature),
-                                        nucleus_p=s.nucleus_p.at[slot].set(nucleus_p),
-                                        top_k=s.top_k.at[slot].set(top_k)),
-                keys=state.keys.at[slot].set(key),
-                # the first token may already end the request
-                active=state.active.at[slot].set((max_len > 1) & ~jnp.any(sample.token_id[0] == stop_ids)),
-                remaining=state.remaining.at[slot].set(max_len - 1),
-                stop_ids=state.stop_ids.at[slot].set(stop_ids),
-            )
-            return state, sample
-
-        def step(params, state, kv_len, steps):
-            def one(state, _):
-                split = jax.vmap(jax.random.split)(state.keys)  # [B, 2, 2]
-                keys, sample_keys = split[:, 0], split[:, 1]
-                valid = state.active
-                lengths = valid.astype(jnp.int32)  # free and finished slots do not advance
-                out = apply({"params": params}, state.tokens[:, None], state.memory, lengths, False, kv_len)
-                sample = sample_token(out.logits[:, 0], state.settings, sample_keys, *sampler)
-                tokens = jnp.where(valid, sample.token_id, state.tokens)
-                remaining = state.remaining - lengths
-                stopped = jnp.any(tokens[:, None] == state.stop_ids, axis=1)
-                state = state.replace(memory=out.memory, tokens=tokens, keys=keys, remaining=remaining,
-                                      active=valid & ~stopped & (remaining > 0))
-                return state, (sample, valid)
-
-            state, (samples, valid) = jax.lax.scan(one, state, None, length=steps)
-            return state, DecodeOutput(samples, valid)
-
-        def release(state, slot):
-            return state.replace(active=state.active.at[slot].set(False))
-
-        scalars = (replicated,) * 10
+        scalars = jax.tree_util.tree_map(lambda _: replicated, PrefillArgs(*range(10)))
         decode_sh = DecodeOutput(out_sh, replicated)
         self.forward = jax.jit(forward, in_shardings=(self.param_shardings, None, None))
         self.new_memory = jax.jit(_new_memory, out_shardings=state_sh.memory)
-        # One jitted function per static setting (pad bucket x KV length, or KV length x steps),
-        # each with explicit shardings; made on first use, which warm-up does for every bucket.
+        # One jitted function per static setting (KV length, or KV length x steps), each with
+        # explicit shardings; made on first use, which warm-up does for every bucket.
         self.prefill_memory = _PerStatic(lambda kv_len: jax.jit(
-            functools.partial(prefill, kv_len=kv_len), in_shardings=(self.param_shardings, state_sh) + scalars,
+            functools.partial(prefill, apply, sampler, kv_len=kv_len),
+            in_shardings=(self.param_shardings, state_sh, scalars),
             out_shardings=(state_sh, out_sh), donate_argnums=1))
         self.sample_step = _PerStatic(lambda kv_len, steps: jax.jit(
-            functools.partial(step, kv_len=kv_len, steps=steps), in_shardings=(self.param_shardings, state_sh),
-            out_shardings=(state_sh, decode_sh), donate_argnums=1))
-        self.release_slot = jax.jit(release, in_shardings=(state_sh, replicated),
+            functools.partial(decode, apply, sampler, kv_len=kv_len, steps=steps),
+            in_shardings=(self.param_shardings, state_sh), out_shardings=(state_sh, decode_sh), donate_argnums=1))
+        self.release_slot = jax.jit(DecodeState.release, in_shardings=(state_sh, replicated),
                                     out_shardings=state_sh, donate_argnums=0)
         self._state_shardings = state_sh
 
@@ -330,6 +250,42 @@ class ModelRunner:
             remaining=jax.device_put(np.zeros((b,), np.int32), sh.remaining),
             stop_ids=jax.device_put(np.full((b, MAX_STOP_IDS), -1, np.int32), sh.stop_ids),
         )
+
+
+def prefill(apply, sampler, params, state: DecodeState, args: PrefillArgs, kv_len: int):
+    """One prompt chunk of one request into its slot of ``state``, and its first token sampled.
+    ``apply(variables, tokens, memory, lengths, last_only, kv_len)`` is the model; ``sampler`` the
+    (cut, summary) kernel flags of ``sample_token``. Pure: jitted with ``state`` donated."""
+    row = state.memory.row(args.slot)
+    row = row.replace(step=jnp.where(args.reset, 0, row.step))
+    out = apply({"params": params}, args.tokens, row, args.length[None], True, kv_len)
+    # The key is derived from the seed alone, so chunking never changes a request's samples.
+    key, sample_key = jax.random.split(jax.random.PRNGKey(args.seed))
+    settings = SampleSettings(temperature=args.temperature[None], nucleus_p=args.nucleus_p[None],
+                              top_k=args.top_k[None])
+    first = sample_token(out.logits[:, -1], settings, sample_key[None], *sampler)
+    return state.insert(args, state.memory.with_row(args.slot, out.memory), first, key), first
+
+
+def decode(apply, sampler, params, state: DecodeState, kv_len: int, steps: int):
+    """``steps`` decode steps of every slot (a scan on device), attending to the first ``kv_len``
+    cache positions; each slot stops at its EOS, stop tokens or budget. Pure, like ``prefill``."""
+    def one(state, _):
+        split = jax.vmap(jax.random.split)(state.keys)  # [B, 2, 2]
+        keys, sample_keys = split[:, 0], split[:, 1]
+        valid = state.active
+        lengths = valid.astype(jnp.int32)  # free and finished slots do not advance
+        out = apply({"params": params}, state.tokens[:, None], state.memory, lengths, False, kv_len)
+        sample = sample_token(out.logits[:, 0], state.settings, sample_keys, *sampler)
+        tokens = jnp.where(valid, sample.token_id, state.tokens)
+        remaining = state.remaining - lengths
+        stopped = jnp.any(tokens[:, None] == state.stop_ids, axis=1)
+        state = state.replace(memory=out.memory, tokens=tokens, keys=keys, remaining=remaining,
+                              active=valid & ~stopped & (remaining > 0))
+        return state, (sample, valid)
+
+    state, (samples, valid) = jax.lax.scan(one, state, None, length=steps)
+    return state, DecodeOutput(samples, valid)
 
 
 class _PerStatic:

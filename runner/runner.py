@@ -1,39 +1,34 @@
-"""``InferenceRunner``: batch slots, pad buckets, a request queue and the streaming ``run()``.
+"""``InferenceRunner``: a model served in batch slots with pad buckets, and its clients.
 
 A fixed number of slots decode together. A submitted request is validated and tokenized, waits in
 a FIFO queue, and when a slot is free its prompt is prefilled there (padded to the smallest
 bucket that holds it; a prompt longer than the largest bucket is prefilled in chunks, never
-truncated). Every round then runs one decode step for all slots and streams one ``TokenEvent`` per
-generated token; a request that ends (EOS, a stop token, ``max_len`` or cancellation) frees its
-slot for the next waiting request while the others keep decoding.
+truncated). Every round then runs one decode call for all slots and streams one ``TokenEvent``
+per generated token; a request that ends (EOS, a stop token, ``max_len``, cancellation or an
+error of its own) frees its slot for the next waiting request while the others keep decoding.
 
-The host reads a step's tokens only after the next step has been dispatched, so the device never
-waits for the host (one step of pipelining, as the reference); a slot that finished meanwhile
-simply has that extra step's output ignored.
+The rounds and the device state belong to the runner's ``EngineCore`` (``runner/core.py``). The
+streams of ``run()``, ``generate()`` and ``sample_from_model()`` are its clients: each submits
+requests and reads only its own requests' events, so any number of them can be live at once, in
+one thread or several, and each gets exactly the tokens it would get alone.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import os
-import zlib
 from typing import Iterable, Optional, Sequence
 
 import jax
 import numpy as np
 
 from model.sharding import make_mesh
-from runner.engine import MAX_STOP_IDS, DecodeOutput, ModelRunner
+from runner.core import EngineCore, Inbox, prefill_args
+from runner.engine import ModelRunner
+from runner.state import MAX_STOP_IDS
 from runner.requests import Request, TokenEvent
-from runner.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-def default_seed(request: Request) -> int:
-    """The seed of a request that names none: derived from its id, so every process of a
-    multi-host run draws the same tokens (each runs the same scheduler on the same requests)."""
-    return zlib.crc32(request.request_id.encode())
+from runner.tokenizer import Tokenizer
 
 
 def default_pad_sizes(sequence_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -56,18 +51,6 @@ def default_kv_buckets(sequence_len: int) -> tuple[int, ...]:
     return default_pad_sizes(sequence_len, smallest=min(64, sequence_len))
 
 
-@dataclasses.dataclass(eq=False)
-class _Slot:
-    """A request occupying a batch slot."""
-
-    request: Request
-    prompt_ids: list[int]
-    detokenizer: Optional[IncrementalDetokenizer]
-    position: int  # an upper bound on the slot's next cache position (the host lags the device)
-    generated: int = 0
-    finished: bool = False
-
-
 @dataclasses.dataclass
 class Completion:
     request: Request
@@ -75,6 +58,7 @@ class Completion:
     text: str
     logprobs: list[float]
     finish_reason: str
+    error: Optional[str] = None  # with finish_reason "error": what went wrong
 
 
 @dataclasses.dataclass
@@ -118,6 +102,7 @@ class InferenceRunner:
             raise ValueError(f"tokenizer {path} has {self.tokenizer.vocab_size} pieces but the model's "
                              f"vocab_size is {self.config.vocab_size}")
         self.state = self.runner.new_state()
+        self.core = EngineCore(self)
         if warmup:
             self._warmup()
 
@@ -141,14 +126,15 @@ class InferenceRunner:
         prefills = [(np.ones((bucket,), np.int32), True, bucket) for bucket in self.pad_sizes]
         if self.pad_sizes[-1] < self.config.sequence_len:  # continuation chunks of long prompts
             prefills.append((np.ones((self.pad_sizes[-1],), np.int32), False, self.config.sequence_len))
-        lowered = [self.runner.prefill_memory.variant(kv_len=kv_len).lower(
-            *self._prefill_args(0, chunk, 1, reset, dummy, 0)) for chunk, reset, kv_len in prefills]
+        args = [prefill_args(self.config.eos_token, 0, chunk, 1, reset, dummy) for chunk, reset, _ in prefills]
+        lowered = [self.runner.prefill_memory.variant(kv_len=kv_len).lower(self.runner.params, self.state, a)
+                   for a, (_, _, kv_len) in zip(args, prefills)]
         lowered += [self.runner.sample_step.variant(kv_len=kv_len, steps=self.decode_steps).lower(
             self.runner.params, self.state) for kv_len in self.kv_buckets]
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
             list(pool.map(lambda low: low.compile(), lowered))
-        for chunk, reset, kv_len in prefills:
-            self.state, _ = self._prefill(0, chunk, 1, reset, dummy, 0, kv_len)
+        for a, (_, _, kv_len) in zip(args, prefills):
+            self.state, _ = self.runner.prefill_memory(self.runner.params, self.state, a, kv_len=kv_len)
         for kv_len in self.kv_buckets:
             self.state, out = self.runner.sample_step(self.runner.params, self.state, kv_len=kv_len,
                                                       steps=self.decode_steps)
@@ -195,35 +181,37 @@ class InferenceRunner:
         return RunStream(self, requests)
 
     def generate(self, prompts: Sequence, **settings) -> list[Completion]:
-        """Complete every prompt (text or ids) with the same settings; results in prompt order."""
+        """Complete every prompt (text, ids or a ``Request``) with the same settings; results in
+        prompt order. Every request is checked before any runs (``ValueError``); other clients'
+        requests may be in flight meanwhile."""
         requests = [p if isinstance(p, Request) else Request(p, **settings) for p in prompts]
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"Request.request_id: the requests' ids must differ, got {ids!r}")
         for r in requests:
-            self.prepare(r)  # every request is checked before any runs
-        results = {r.request_id: Completion(r, [], "", [], "") for r in requests}
-        for event in self.run(requests):
-            done = results[event.request_id]
-            if event.token_id is not None:
-                done.token_ids.append(event.token_id)
-                done.logprobs.append(event.logprob)
-            done.text += event.text
-            if event.finish_reason:
-                done.finish_reason = event.finish_reason
+            self.prepare(r)
+        inbox, results = Inbox(), {r.request_id: Completion(r, [], "", [], "") for r in requests}
+        try:
+            for r in requests:
+                inbox.submit(self.core, r)
+            while inbox.live or inbox.events:
+                self.core.wait_for(lambda: bool(inbox.events))
+                event = inbox.events.popleft()
+                done = results[event.request_id]
+                if event.token_id is not None:
+                    done.token_ids.append(event.token_id)
+                    done.logprobs.append(event.logprob)
+                done.text += event.text
+                if event.finish_reason:
+                    done.finish_reason, done.error = event.finish_reason, event.error
+        finally:
+            for request_id in list(inbox.live):  # an interrupted caller leaves nothing running
+                self.core.cancel(request_id)
         return [results[r.request_id] for r in requests]
 
-    # ---- device calls ----------------------------------------------------------------------------
-    def _prefill(self, slot: int, chunk: np.ndarray, length: int, reset: bool, request: Request, seed: int,
-                 kv_len: int):
-        return self.runner.prefill_memory(*self._prefill_args(slot, chunk, length, reset, request, seed),
-                                          kv_len=kv_len)
-
-    def _prefill_args(self, slot: int, chunk: np.ndarray, length: int, reset: bool, request: Request, seed: int):
-        stop = [self.config.eos_token] + sorted(set(request.stop_token_ids) - {self.config.eos_token})
-        stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
-        stop_ids[: len(stop)] = stop
-        return (self.runner.params, self.state, np.int32(slot), chunk[None].astype(np.int32),
-                np.int32(length), np.bool_(reset), np.float32(request.temperature),
-                np.float32(request.nucleus_p), np.int32(request.top_k), np.uint32(seed),
-                np.int32(request.max_len), stop_ids)
+    def complete(self, request: Request) -> Completion:
+        """One request to its end, beside whatever else is in flight."""
+        return self.generate([request])[0]
 
     def kv_bucket_for(self, length: int) -> int:
         return _smallest_at_least(self.kv_buckets, length)
@@ -246,30 +234,31 @@ class InferenceRunner:
 
 
 class RunStream:
-    """The iterator ``run()`` returns: a generator-compatible stream of ``TokenEvent``s."""
+    """The iterator ``run()`` returns: a generator-compatible stream of its own requests' events
+    (a client of the runner's engine core; other streams and ``generate`` may run beside it)."""
 
     def __init__(self, runner: InferenceRunner, requests: Optional[Iterable[Request]]):
         self.runner = runner
+        self._core = runner.core
         self._source = iter(requests) if requests is not None else None
-        self._queue: collections.deque[tuple[Request, list[int]]] = collections.deque()
-        self._slots: list[Optional[_Slot]] = [None] * runner.batch_size
-        self._pending: list[tuple[object, list[tuple[int, _Slot]]]] = []
-        self._events: collections.deque[TokenEvent] = collections.deque()
-        self._cancelled: set[str] = set()
+        self._source_done = requests is None
+        self._inbox = Inbox()
 
     # ---- the generator protocol -----------------------------------------------------------------
     def __iter__(self):
         return self
 
     def __next__(self) -> Optional[TokenEvent]:
-        while not self._events:
+        inbox = self._inbox
+        while not inbox.events:
             self._pull()
-            if self._idle():
+            if not inbox.live and not inbox.events:
                 if self._source is None:
                     return None  # server mode: nothing to do until a request is sent
-                raise StopIteration
-            self._round()
-        return self._events.popleft()
+                if self._source_done:
+                    raise StopIteration
+            self._core.wait_for(lambda: bool(inbox.events) or self._can_pull())
+        return inbox.events.popleft()
 
     def send(self, request: Optional[Request]) -> Optional[TokenEvent]:
         if request is not None:
@@ -277,131 +266,45 @@ class RunStream:
         return next(self)
 
     def close(self) -> None:
-        for request, _ in list(self._queue):
-            self.cancel(request.request_id)
-        for slot in self._slots:
-            if slot is not None:
-                self.cancel(slot.request.request_id)
-        self._source = iter(())
+        """Cancel this stream's live requests and take no more from its source."""
+        for request_id in list(self._inbox.live):
+            self._core.cancel(request_id)
+        self._source_done = True
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, request: Request) -> Request:
-        """Queue ``request``; a bad one raises ``ValueError`` here and disturbs nothing."""
-        ids = self.runner.prepare(request)
-        self._queue.append((request, ids))
+        """Queue ``request``; a bad one (or one whose id is live) raises ``ValueError`` here and
+        disturbs nothing."""
+        self._inbox.submit(self._core, request)
         return request
 
     def cancel(self, request_id: str) -> bool:
-        """End a waiting or running request now; its last event has finish_reason 'cancelled'."""
-        for i, (request, _) in enumerate(self._queue):
-            if request.request_id == request_id:
-                del self._queue[i]
-                self._events.append(TokenEvent(request, 0, None, "", 0.0, (), "cancelled"))
-                return True
-        for index, slot in enumerate(self._slots):
-            if slot is not None and slot.request.request_id == request_id and not slot.finished:
-                self._finish(index, slot)
-                self._events.append(TokenEvent(slot.request, slot.generated, None, self._flush(slot),
-                                               0.0, (), "cancelled"))
-                return True
-        return False
+        """End one of this stream's waiting or running requests; its last event has finish_reason
+        'cancelled'. False if this stream has no such live request."""
+        return request_id in self._inbox.live and self._core.cancel(request_id)
+
+    def _can_pull(self) -> bool:
+        return not self._source_done and self._core.capacity() > 0
 
     def _pull(self) -> None:
-        """Top the queue up from the source iterable while slots are free."""
-        free = sum(s is None for s in self._slots)
-        while self._source is not None and len(self._queue) < free:
+        """Submit from the source iterable while the core has room (a lazy source stays lazy),
+        and at least one request when none of this stream's is live."""
+        while not self._source_done and (self._core.capacity() > 0 or not self._inbox.live):
             request = next(self._source, None)
             if request is None:
-                self._source = iter(())
+                self._source_done = True
                 return
             self.submit(request)
 
-    def _idle(self) -> bool:
-        return not self._queue and not self._pending and all(s is None for s in self._slots)
-
-    # ---- one round: admit, decode, read back ---------------------------------------------------------
-    def _round(self) -> None:
-        r = self.runner
-        ready = self._pending
-        self._pending = []
-        self._admit()
-        active = [(i, s) for i, s in enumerate(self._slots) if s is not None and not s.finished]
-        if active:
-            steps = r.decode_steps
-            kv_len = r.kv_bucket_for(max(s.position for _, s in active) + steps)
-            r.state, out = r.runner.sample_step(r.runner.params, r.state, kv_len=kv_len, steps=steps)
-            for _, s in active:
-                s.position += steps
-            self._pending.append((out, active))
-        self._read(ready)
-
-    def _admit(self) -> None:
-        r = self.runner
-        while self._queue and None in self._slots:
-            request, ids = self._queue.popleft()
-            index = self._slots.index(None)
-            seed = request.rng_seed if request.rng_seed is not None else default_seed(request)
-            out = None
-            for n, (chunk, length, kv_len) in enumerate(r.prefill_chunks(ids)):
-                r.state, out = r._prefill(index, chunk, length, n == 0, request, seed, kv_len)
-            detok = IncrementalDetokenizer(r.tokenizer, ids) if r.tokenizer is not None else None
-            slot = _Slot(request, ids, detok, position=len(ids))
-            self._slots[index] = slot
-            self._pending.append((out, [(0, slot)]))  # the first token is row 0 of the prefill output
-
-    def _read(self, ready) -> None:
-        """Turn device outputs into events: one host sync per call, after the next is dispatched."""
-        for out, rows in jax.device_get(ready):
-            if isinstance(out, DecodeOutput):
-                sample, valid = out.sample, out.valid
-            else:  # a prefill's first token: one step, row 0
-                sample = jax.tree_util.tree_map(lambda a: a[None], out)
-                valid = np.ones((1, len(rows)), bool)
-            for step in range(valid.shape[0]):
-                for row, slot in rows:
-                    if valid[step, row] and not slot.finished:
-                        self._emit(slot, sample, step, row)
-
-    def _emit(self, slot: _Slot, sample, step: int, row: int) -> None:
-        # The same rule ends the request on the device (engine.sample_step), so both agree.
-        token = int(sample.token_id[step, row])
-        slot.generated += 1
-        request = slot.request
-        reason = ("eos" if token == self.runner.config.eos_token else "stop" if token in request.stop_token_ids
-                  else "length" if slot.generated >= request.max_len else None)
-        text = "" if reason in ("eos", "stop") or slot.detokenizer is None else slot.detokenizer.add(token)
-        if reason is not None:
-            self._finish(self._slots.index(slot), slot, release=False)  # the device stopped it itself
-            text += self._flush(slot)
-        top = tuple(zip(sample.top_k_token_ids[step, row].tolist(), sample.top_k_probs[step, row].tolist()))
-        self._events.append(TokenEvent(request, slot.generated - 1, token, text,
-                                       float(sample.logprob[step, row]), top, reason))
-
-    def _finish(self, index: int, slot: _Slot, release: bool = True) -> None:
-        slot.finished = True
-        self._slots[index] = None
-        if release:
-            r = self.runner
-            r.state = r.runner.release_slot(r.state, np.int32(index))
-
-    @staticmethod
-    def _flush(slot: _Slot) -> str:
-        return slot.detokenizer.flush() if slot.detokenizer is not None else ""
-
 
 def sample_from_model(server: RunStream, prompt, max_len: int, temperature: float) -> str:
-    """Grok-1's helper: complete ``prompt`` with nucleus_p 1 and seed 42; returns the text."""
+    """Grok-1's helper: complete ``prompt`` with nucleus_p 1 and seed 42; returns the text. It
+    reads its own request's events only: the stream's other requests lose none of theirs."""
     request = Request(prompt, temperature=temperature, nucleus_p=1.0, rng_seed=42, max_len=max_len)
-    server.submit(request)
-    pieces = []
-    while True:
-        event = next(server)
-        if event is None:
-            raise RuntimeError("the runner went idle before the request finished")
-        if event.request is request:
-            pieces.append(event.text)
-            if event.finish_reason:
-                return "".join(pieces)
+    done = server.runner.complete(request)
+    if done.finish_reason == "error":
+        raise RuntimeError(f"the request failed: {done.error}")
+    return done.text
 
 
 DEFAULT_MODEL = "austen-moe"  # checkpoints/austen-moe: the small trained model the project ships

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from model import TINY, forward, init_params
-from runner import InferenceRunner, ModelRunner, Request, sample_from_model
+from runner import InferenceRunner, ModelRunner, PrefillArgs, Request, sample_from_model
 from runner.compile_count import compilations
 from tests.helpers import lively
 
@@ -233,9 +233,10 @@ def test_the_four_functions_are_usable_on_their_own(runner, params):
     padded = np.zeros((1, 8), np.int32)
     padded[0] = tokens[0]
     stop_ids = np.full((8,), -1, np.int32)
-    state, first = engine.prefill_memory(engine.params, state, np.int32(2), padded, np.int32(8), np.bool_(True),
-                                         np.float32(0), np.float32(1), np.int32(0), np.uint32(0),
-                                         np.int32(3), stop_ids, kv_len=8)
+    args = PrefillArgs(slot=np.int32(2), tokens=padded, length=np.int32(8), reset=np.bool_(True),
+                       temperature=np.float32(0), nucleus_p=np.float32(1), top_k=np.int32(0), seed=np.uint32(0),
+                       max_len=np.int32(3), stop_ids=stop_ids)
+    state, first = engine.prefill_memory(engine.params, state, args, kv_len=8)
     assert int(first.token_id[0]) == int(np.asarray(logits)[0, -1].argmax())
     state, out = engine.sample_step(engine.params, state, kv_len=64, steps=4)
     # max_len 3: the first token came from prefill, two more from decode, then the slot stops itself

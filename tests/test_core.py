@@ -1,0 +1,254 @@
+"""The engine core and its clients: many streams, threads and ``generate`` calls on one runner,
+each getting exactly its own requests' tokens; failures contained to their request; every bad
+request a ValueError naming its field before anything runs."""
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+
+from runner import Request, sample_from_model
+from runner.tokenizer import IncrementalDetokenizer
+from tests.test_runner import CONFIG, params, prompt_ids, runner  # noqa: F401 (fixtures)
+
+
+def solo(runner, request):
+    """What ``request`` generates alone on the runner (same settings and seed, its own id)."""
+    done = runner.complete(dataclasses.replace(request, request_id=None))
+    assert done.finish_reason in ("length", "eos", "stop"), done
+    return done.token_ids
+
+
+def mixed(i, n=12):
+    """Request i of a mixed batch: greedy or seeded sampling, various lengths and settings."""
+    if i % 2 == 0:
+        return Request(prompt_ids(200 + i, 3 + i % 7), temperature=0.0, max_len=n)
+    return Request(prompt_ids(200 + i, 4 + i % 5), temperature=0.9, nucleus_p=0.9, top_k=20 * (i % 3),
+                   rng_seed=i, max_len=n)
+
+
+def tokens(events):
+    return [e.token_id for e in events if e.token_id is not None]
+
+
+def test_two_live_streams_each_get_their_own_tokens(runner):
+    a_requests, b_requests = [mixed(i) for i in range(3)], [mixed(i) for i in range(3, 6)]
+    a, b = runner.run(a_requests), runner.run(b_requests)
+    got = {}
+    streams = [a, b]
+    while streams:  # alternate between the two streams, event by event
+        for s in list(streams):
+            event = next(s, None)
+            if event is None:
+                streams.remove(s)
+            else:
+                assert event.request in (a_requests if s is a else b_requests)
+                got.setdefault(event.request_id, []).append(event)
+    for r in a_requests + b_requests:
+        assert tokens(got[r.request_id]) == solo(runner, r), r
+        assert got[r.request_id][-1].finish_reason == "length"
+
+
+def test_generate_during_a_stream_leaves_the_stream_whole(runner):
+    stream_requests = [Request(prompt_ids(300 + i, 5), temperature=0.0, max_len=40) for i in range(2)]
+    stream = runner.run(stream_requests)
+    first = [next(stream) for _ in range(3)]
+    done = runner.generate([mixed(10), mixed(11)])
+    assert [c.token_ids for c in done] == [solo(runner, mixed(10)), solo(runner, mixed(11))]
+    events = first + list(stream)
+    for r in stream_requests:
+        mine = [e for e in events if e.request is r]
+        assert len(tokens(mine)) == 40 and tokens(mine) == solo(runner, r)
+
+
+def test_sample_from_model_swallows_no_other_requests_events(runner):
+    gen = runner.run()
+    assert next(gen) is None  # the reference's protocol: prime, then send
+    other = Request(prompt_ids(400, 6), temperature=0.0, max_len=40)
+    first = gen.send(other)
+    text = sample_from_model(gen, "the letter", max_len=6, temperature=0.01)
+    assert text == sample_from_model(gen, "the letter", max_len=6, temperature=0.01)
+    events = [first] + list(iter(lambda: next(gen), None))
+    assert all(e.request is other for e in events)
+    assert len(tokens(events)) == 40 and tokens(events) == solo(runner, other)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_three_client_threads_get_their_solo_outputs(runner, background):
+    want = {i: solo(runner, mixed(i, 10)) for i in range(9)}
+    got, errors = {}, []
+
+    def stream_client(k):
+        try:
+            for event in runner.run([mixed(i, 10) for i in range(3 * k, 3 * k + 3)]):
+                got.setdefault((event.request.prompt[0], event.request.max_len, k), []).append(event)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    def generate_client():
+        try:
+            for i, c in zip(range(6, 9), runner.generate([mixed(i, 10) for i in range(6, 9)])):
+                got[("generate", i)] = c.token_ids
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+
+    if background:
+        runner.core.start()
+    try:
+        threads = [threading.Thread(target=stream_client, args=(k,)) for k in (0, 1)]
+        threads.append(threading.Thread(target=generate_client))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a client hung"
+    finally:
+        runner.core.stop()
+    assert not errors, errors
+    for k in (0, 1):
+        for i in range(3 * k, 3 * k + 3):
+            r = mixed(i, 10)
+            assert tokens(got[(r.prompt[0], 10, k)]) == want[i], i
+    for i in range(6, 9):
+        assert got[("generate", i)] == want[i], i
+    assert runner.core.idle()
+
+
+def test_a_request_failing_while_served_ends_alone(runner, monkeypatch):
+    requests = [mixed(i, 16) for i in range(4)]
+    want = {r.request_id: solo(runner, r) for r in requests}
+    bad = requests[1]
+    init, add = IncrementalDetokenizer.__init__, IncrementalDetokenizer.add
+    calls = {"n": 0}
+
+    def tagging_init(self, tokenizer, prompt_ids, *args, **kwargs):
+        init(self, tokenizer, prompt_ids, *args, **kwargs)
+        self.failing = list(prompt_ids) == list(bad.prompt)
+
+    def failing_add(self, token):
+        if self.failing:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a detokenizer failure (test)")
+        return add(self, token)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "__init__", tagging_init)
+    monkeypatch.setattr(IncrementalDetokenizer, "add", failing_add)
+    events = {}
+    for event in runner.run(requests):
+        events.setdefault(event.request_id, []).append(event)
+    last = events[bad.request_id][-1]
+    assert last.finish_reason == "error" and "detokenizer failure" in last.error and last.token_id is None
+    assert len(tokens(events[bad.request_id])) == 2
+    for r in requests:
+        if r is not bad:
+            assert tokens(events[r.request_id]) == want[r.request_id]
+    monkeypatch.undo()
+    assert runner.core.idle()
+    # the failed request's slot is free and clean: the same request now runs to its end
+    assert runner.complete(dataclasses.replace(bad, request_id=None)).token_ids == want[bad.request_id]
+
+
+def test_duplicate_request_ids_are_refused(runner):
+    with pytest.raises(ValueError, match="request_id.*must differ"):
+        runner.generate([Request([5, 6], request_id="same", max_len=3), Request([7, 8], request_id="same", max_len=3)])
+    stream = runner.run()
+    stream.submit(Request([5, 6, 7], request_id="taken", max_len=30, temperature=0.0))
+    with pytest.raises(ValueError, match="'taken' is already in use"):
+        stream.submit(Request([9], request_id="taken", max_len=3))
+    with pytest.raises(ValueError, match="'taken' is already in use"):
+        runner.generate([Request([9], request_id="taken", max_len=3)])
+    events = list(iter(lambda: next(stream), None))
+    assert len(tokens(events)) == 30 and all(e.request_id == "taken" for e in events)
+    assert runner.complete(Request([9], request_id="taken", max_len=3)).finish_reason == "length"  # free again
+
+
+def test_a_request_cannot_change_after_it_is_checked():
+    r = Request([1, 2], temperature=0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.temperature = float("nan")
+    with pytest.raises(ValueError, match="temperature"):
+        dataclasses.replace(r, temperature=float("nan"))
+
+
+def test_values_that_are_accepted_as_they_should_be(runner):
+    r = Request(np.array([5, 6, 7], np.int64), stop_token_ids=None, top_k=np.int32(5), max_len=np.int64(4),
+                rng_seed=np.uint32(7), temperature=np.float32(0.5))
+    assert r.prompt == [5, 6, 7] and r.stop_token_ids == () and type(r.top_k) is int and type(r.max_len) is int
+    assert Request([np.int16(3)], stop_token_ids=np.array([4, 5])).stop_token_ids == (4, 5)
+    assert runner.complete(r).finish_reason in ("length", "eos")
+
+
+BAD_REQUESTS = [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=np.int64(5)), "prompt"),  # a numpy scalar
+    (dict(prompt=np.ones((2, 2), np.int32)), "prompt"),
+    (dict(prompt="a\ud800b"), "prompt"),  # a lone surrogate: no UTF-8 for it
+    (dict(prompt=[1, 2.5]), "prompt"),
+    (dict(prompt=[1, -1]), "prompt"),
+    (dict(prompt=[2**31]), "prompt"),
+    (dict(prompt=12), "prompt"),
+    (dict(prompt=b"bytes"), "prompt"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature="hot"), "temperature"),
+    (dict(nucleus_p=0.0), "nucleus_p"),
+    (dict(nucleus_p=1.5), "nucleus_p"),
+    (dict(top_k=2**31), "top_k"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_k=1.5), "top_k"),
+    (dict(max_len=0), "max_len"),
+    (dict(max_len=2**31), "max_len"),
+    (dict(max_len=True), "max_len"),
+    (dict(rng_seed=-1), "rng_seed"),
+    (dict(rng_seed=2**32), "rng_seed"),
+    (dict(stop_token_ids="13"), "stop_token_ids"),
+    (dict(stop_token_ids=[2**31]), "stop_token_ids"),
+    (dict(stop_token_ids=7), "stop_token_ids"),
+    (dict(request_id=3), "request_id"),
+    (dict(request_id=""), "request_id"),
+]
+
+
+@pytest.mark.parametrize("fields, name", BAD_REQUESTS)
+def test_every_bad_field_is_a_value_error_naming_it(fields, name):
+    kwargs = {"prompt": [5, 6], **fields}
+    with pytest.raises(ValueError, match=f"Request.{name}"):
+        Request(**kwargs)
+
+
+@pytest.mark.parametrize("fields, name", [
+    (dict(prompt=[CONFIG.vocab_size]), "prompt"),
+    (dict(stop_token_ids=[CONFIG.vocab_size + 5]), "stop_token_ids"),
+    (dict(stop_token_ids=list(range(10, 20))), "stop_token_ids"),
+    (dict(max_len=CONFIG.sequence_len), "max_len"),
+])
+def test_what_depends_on_the_model_is_refused_at_submit(runner, fields, name):
+    stream = runner.run()
+    with pytest.raises(ValueError, match=f"Request.{name}"):
+        stream.submit(Request(**{"prompt": [5, 6], **fields}))
+    assert next(stream) is None and runner.core.idle()  # nothing was queued
+
+
+def test_a_request_failing_at_admission_ends_alone(runner, monkeypatch):
+    import runner.core as core
+
+    requests = [mixed(i, 8) for i in range(3)]
+    want = {r.request_id: solo(runner, r) for r in requests}
+    real = core.prefill_args
+
+    def failing(eos, slot, chunk, length, reset, request):
+        if request is requests[0]:
+            raise OverflowError("a host-side bug (test)")
+        return real(eos, slot, chunk, length, reset, request)
+
+    monkeypatch.setattr(core, "prefill_args", failing)
+    events = {}
+    for event in runner.run(requests):
+        events.setdefault(event.request_id, []).append(event)
+    assert [(e.finish_reason, e.error) for e in events[requests[0].request_id]] == [
+        ("error", "OverflowError: a host-side bug (test)")]
+    for r in requests[1:]:
+        assert tokens(events[r.request_id]) == want[r.request_id]
