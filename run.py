@@ -4,6 +4,7 @@
     python run.py --prompt "It is a truth"          # one prompt
     python run.py < prompts.txt                     # one prompt per line, batched over the slots
     python run.py --checkpoint DIR [--config grok-1]  # a native or original-layout checkpoint
+    python run.py serve [--checkpoint DIR] [--host 127.0.0.1] [--port 8000]  # the OpenAI-compatible server
 
 Ends with a summary line on stderr: time to first token, output tokens/s, compilations.
 """
@@ -111,7 +112,70 @@ def int_list(parser, flag, text):
     return values
 
 
+def serve(argv) -> int:
+    """``run.py serve``: the OpenAI-compatible HTTP server (server/) on a checkpoint."""
+    p = argparse.ArgumentParser(prog="run.py serve", description="Serve a checkpoint over the OpenAI API "
+                                "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, "
+                                "/tokenize, /detokenize).")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the shipped model)")
+    p.add_argument("--config", help="config for an original-layout checkpoint: a preset name or a JSON file")
+    p.add_argument("--tokenizer", help="SentencePiece model (default: the checkpoint's tokenizer.model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--model-name", help="the model's name in the API (default: the checkpoint directory's name)")
+    p.add_argument("--api-key", default=os.environ.get("GROK_RUNNER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (env GROK_RUNNER_API_KEY)")
+    p.add_argument("--batch-size", type=int, default=8, help="decode slots (default 8)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests that may wait for a slot; beyond, 503 with Retry-After (default 256)")
+    p.add_argument("--kernels", choices=["auto", "on", "off"], default="auto", help="CPU kernels (see run.py --help)")
+    p.add_argument("--compile-cache", default=os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
+        help="JAX's persistent compilation cache ('off' disables it)")
+    args = p.parse_args(argv)
+    if not 0 < args.port < 65536:
+        p.error(f"--port must be in [1, 65535], got {args.port}")
+    if args.batch_size <= 0:
+        p.error(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if args.max_waiting < 0:
+        p.error(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    import jax
+
+    if args.compile_cache != "off":
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    import uvicorn
+
+    from checkpoints import CheckpointError
+    from runner import InferenceRunner, ModelRunner
+    from runner.runner import default_checkpoint
+    from server import Server
+
+    checkpoint = args.checkpoint or default_checkpoint()
+    if checkpoint is None or not os.path.isdir(checkpoint):
+        p.error(f"--checkpoint {checkpoint!r} is not a directory")
+    kernels = {"auto": None, "on": True, "off": False}[args.kernels]
+    try:
+        runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, model=args.config,
+                                                    expert_panels=kernels, sampler_kernel=kernels),
+                                 tokenizer_path=args.tokenizer, batch_size=args.batch_size)
+        runner.initialize()
+        server = Server(runner, args.model_name or os.path.basename(os.path.normpath(checkpoint)),
+                        api_key=args.api_key, max_waiting=args.max_waiting)
+    except (ValueError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in runner.runner.kernel_report().splitlines():
+        print(f"kernels: {line}", file=sys.stderr)
+    print(f"serving {server.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return serve(argv[1:])
     parser, args = parse_args(argv)
     start = time.perf_counter()
     if args.plan:

@@ -150,6 +150,13 @@ class EngineCore:
         """Free slots less waiting requests: how many more could start at the next round."""
         return self._slots.count(None) - len(self._waiting) - self._commands.qsize()
 
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests now: in slots, and submitted but not yet in one."""
+        with self._ids:
+            live = len(self._live)
+        running = sum(s is not None for s in self._slots)
+        return running, max(0, live - running)
+
     def idle(self) -> bool:
         """No request live (an output still pending on the device can only be of ended ones)."""
         with self._ids:
@@ -267,6 +274,9 @@ class EngineCore:
                 continue
             slot = _Slot(request, sink, detokenizer, position=len(ids))
             self._slots[index] = slot
+            admitted = getattr(sink, "admitted", None)  # a sink may time its request's wait for a slot
+            if admitted is not None:
+                admitted()
             self._pending.append((out, [(0, slot)]))  # the first token is row 0 of the prefill output
 
     def _read(self, ready) -> None:

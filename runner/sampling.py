@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from model import panel
 
-TOP_K = 8  # alternatives reported per token, as the reference's sampler
+TOP_K = 20  # alternatives reported per token: the most the OpenAI API asks for (the reference reports 8)
 _MIN_TEMPERATURE = 1e-6
 
 

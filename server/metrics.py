@@ -1,0 +1,53 @@
+"""Prometheus metrics under vLLM's names, so existing dashboards read them.
+
+Each server has its own registry (several servers in one process, as in the tests, do not
+collide). Histograms: time to first token, inter-token latency, end-to-end latency and queue
+time; gauges: requests running and waiting, KV slot usage; counters: prompt and generation tokens,
+successful requests by finish reason.
+"""
+
+from __future__ import annotations
+
+import prometheus_client as prom
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+            20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = prom.CollectorRegistry()
+        labels = ["model_name"]
+        r, self.labels = self.registry, {"model_name": model_name}
+
+        def histogram(name, doc):
+            return prom.Histogram(name, doc, labels, buckets=_LATENCY, registry=r).labels(**self.labels)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.")
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two tokens of a request.")
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.")
+        self.queue = histogram("vllm:request_queue_time_seconds", "Time from arrival to the first token's "
+                               "prefill (waiting for a slot) in seconds.")
+        self.running = prom.Gauge("vllm:num_requests_running", "Requests in a decode slot.", labels,
+                                  registry=r).labels(**self.labels)
+        self.waiting = prom.Gauge("vllm:num_requests_waiting", "Requests waiting for a slot.", labels,
+                                  registry=r).labels(**self.labels)
+        self.kv_usage = prom.Gauge("vllm:kv_cache_usage_perc", "Fraction of KV slots in use (1 = all).",
+                                   labels, registry=r).labels(**self.labels)
+        self.prompt_tokens = prom.Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels,
+                                          registry=r).labels(**self.labels)
+        self.generation_tokens = prom.Counter("vllm:generation_tokens", "Generated tokens.", labels,
+                                              registry=r).labels(**self.labels)
+        self.success = prom.Counter("vllm:request_success", "Finished requests by finish reason.",
+                                    labels + ["finished_reason"], registry=r)
+
+    def finished(self, reason: str) -> None:
+        self.success.labels(finished_reason=reason, **self.labels).inc()
+
+    def update_load(self, running: int, waiting: int, slots: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(running / slots if slots else 0.0)
+
+    def render(self) -> bytes:
+        return prom.generate_latest(self.registry)

@@ -1,0 +1,319 @@
+"""The OpenAI-compatible server against real HTTP on 127.0.0.1: the official ``openai`` client,
+raw SSE read with httpx, many concurrent clients, disconnects, bad fields, auth and overload."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from runner import InferenceRunner, ModelRunner, Request
+from server import Server
+from tests.test_runner import CONFIG, params  # noqa: F401 (fixture)
+
+MODEL = "tiny-test"
+
+
+class LiveServer:
+    """A uvicorn server in a thread on a free port of 127.0.0.1; ``stop()`` ends it."""
+
+    def __init__(self, server: Server):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.uvicorn = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.uvicorn.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    def stop(self):
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+def _runner(params, tokenizer, batch_size=4):
+    r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=batch_size,
+                        pad_sizes=(8, 16, 32), tokenizer_path=tokenizer)
+    r.initialize()
+    return r
+
+
+@pytest.fixture(scope="module")
+def served(params, test_tokenizer):
+    runner = _runner(params, test_tokenizer)
+    server = Server(runner, MODEL)
+    live = LiveServer(server)
+    yield runner, server, live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[2].url + "/v1", api_key="unused", max_retries=0)
+
+
+def solo_text(runner, prompt, **settings):
+    done = runner.complete(Request(prompt, **settings))
+    return done.text, done.token_ids
+
+
+def test_models_and_health(served, client):
+    _, _, live = served
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(live.url + "/health").status_code == 200
+
+
+def test_completion_equals_the_runners_own_output(served, client):
+    runner = served[0]
+    want, _ = solo_text(runner, "the house", temperature=0.0, max_len=10)
+    r = client.completions.create(model=MODEL, prompt="the house", max_tokens=10, temperature=0)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 10 and r.usage.prompt_tokens == len(runner.tokenizer.encode("the house"))
+    seeded, _ = solo_text(runner, "a letter", temperature=0.9, nucleus_p=0.9, rng_seed=7, max_len=8)
+    r = client.completions.create(model=MODEL, prompt="a letter", max_tokens=8, temperature=0.9, top_p=0.9, seed=7)
+    assert r.choices[0].text == seeded
+    # several prompts, ids among them, and n choices (seed + i)
+    r = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=4, temperature=1.0, seed=3, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:
+        prompt = [[5, 6, 7], [8, 9]][c.index // 2]
+        assert c.text == solo_text(runner, prompt, temperature=1.0, rng_seed=3 + c.index % 2, max_len=4)[0]
+
+
+def test_streamed_completion_and_chat_equal_the_whole_ones(served, client):
+    whole = client.completions.create(model=MODEL, prompt="her sister", max_tokens=12, temperature=0)
+    parts = list(client.completions.create(model=MODEL, prompt="her sister", max_tokens=12, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].text for p in parts if p.choices) == whole.choices[0].text
+    assert parts[-1].usage.completion_tokens == 12 and parts[-2].choices[0].finish_reason == "length"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the ball"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 9
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # the default template: a line per message, then "Assistant:" to complete
+    prompt = "System: Be brief.\nUser: the ball\nAssistant:"
+    assert chat.choices[0].message.content == solo_text(served[0], prompt, temperature=0.0, max_len=9)[0]
+
+
+def test_raw_sse_framing(served):
+    body = {"model": MODEL, "prompt": "the", "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served[2].url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for e in events[:-2]:
+        assert e.startswith("data: ") and "\n" not in e
+        assert json.loads(e[len("data: "):])["object"] == "text_completion"
+
+
+def test_logprobs_and_echo(served, client):
+    r = client.completions.create(model=MODEL, prompt="the house", max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert all(len(t) == 3 for t in lp.top_logprobs) and "".join(lp.tokens) == r.choices[0].text
+    for token, value, tops in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and max(tops.values()) == pytest.approx(value, abs=1e-5)  # greedy: the best one
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(6)]
+    echo = client.completions.create(model=MODEL, prompt="the house", max_tokens=3, temperature=0, logprobs=2,
+                                     echo=True)
+    n_prompt = len(served[0].tokenizer.encode("the house"))
+    e = echo.choices[0]
+    assert e.text.startswith("the house") and e.logprobs.token_logprobs[0] is None
+    assert len(e.logprobs.tokens) == n_prompt + 3 and all(v <= 0 for v in e.logprobs.token_logprobs[1:])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=5)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 5 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+
+
+def test_stop_strings_cut_the_text_across_tokens(served, client):
+    full = client.completions.create(model=MODEL, prompt="the letter", max_tokens=20, temperature=0).choices[0].text
+    stop = full[7:10]  # three characters that may straddle token boundaries
+    assert stop and stop in full
+    r = client.completions.create(model=MODEL, prompt="the letter", max_tokens=20, temperature=0, stop=[stop, "zzzz"])
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(model=MODEL, prompt="the letter", max_tokens=20, temperature=0,
+                                              stop=stop, stream=True))
+    assert "".join(p.choices[0].text for p in streamed) == r.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_64_concurrent_streaming_clients_each_get_their_solo_output(served):
+    runner, _, live = served
+    settings = [dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.8, top_p=0.9, seed=i)
+                for i in range(64)]
+    prompts = [f"the house {i % 7}" if i % 3 else f"a letter from her sister {i}" for i in range(64)]
+    lengths = [3 + i % 6 for i in range(64)]
+    want = [solo_text(runner, p, temperature=s["temperature"], nucleus_p=s.get("top_p", 1.0), rng_seed=s.get("seed"),
+                      max_len=n)[0] if "seed" in s else solo_text(runner, p, temperature=0.0, max_len=n)[0]
+            for p, s, n in zip(prompts, settings, lengths)]
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+
+        async def one(i):
+            stream = await client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=lengths[i],
+                                                     stream=True, **settings[i])
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await client.close()
+
+    got = asyncio.run(main())
+    assert got == want
+
+
+def _metric(live, name, labels="") -> float:
+    """The value of metric ``name`` whose labels include ``labels``; 0 if it has no such series yet."""
+    for line in httpx.get(live.url + "/metrics").text.splitlines():
+        if line.startswith(name + "{") and labels in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_disconnect_cancels_the_request_and_frees_its_slot(served):
+    runner, _, live = served
+    aborted = _metric(live, "vllm:request_success_total", 'finished_reason="abort"')
+    body = {"model": MODEL, "prompt": "the", "max_tokens": 60, "temperature": 0, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        runner.core._round_lock.acquire()  # hold the rounds: the request cannot finish by itself meanwhile
+    try:
+        time.sleep(0.5)  # the server notices the disconnect and queues the cancellation
+        assert _metric(live, "vllm:num_requests_running") == 1
+    finally:
+        runner.core._round_lock.release()
+    deadline = time.time() + 10
+    while _metric(live, "vllm:num_requests_running") != 0:
+        assert time.time() < deadline, "the disconnected request still holds its slot"
+        time.sleep(0.05)
+    assert _metric(live, "vllm:request_success_total", 'finished_reason="abort"') == aborted + 1
+    assert _metric(live, "vllm:kv_cache_usage_perc") == 0.0
+    metrics = httpx.get(live.url + "/metrics").text
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:num_requests_waiting", "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        assert name in metrics, name
+
+
+BAD = [
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10**6}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"best_of": 2}, "best_of"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"seed": -1}, "seed"),
+    ({"top_k": -2}, "top_k"),
+    ({"prompt": [5, 99999]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"stop_token_ids": [99999]}, "stop_token_ids"),
+    ({"suffix": "x"}, "suffix"),
+    ({"no_such_field": 1}, "no_such_field"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+]
+
+
+def test_each_bad_field_is_a_400_naming_it_while_others_stream_on(served, client):
+    _, _, live = served
+    stream = client.completions.create(model=MODEL, prompt="the house", max_tokens=40, temperature=0, stream=True)
+    first = next(iter(stream))
+    for fields, param in BAD:
+        body = {"model": MODEL, "prompt": "the", "max_tokens": 4, **fields}
+        r = httpx.post(live.url + "/v1/completions", json=body)
+        assert r.status_code == 400, (fields, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", (fields, error)
+    rest = "".join(c.choices[0].text for c in stream if c.choices)
+    whole = client.completions.create(model=MODEL, prompt="the house", max_tokens=40, temperature=0)
+    assert first.choices[0].text + rest == whole.choices[0].text
+    for raw, status in ((b"{not json", 400), (b"[1, 2]", 400)):
+        r = httpx.post(live.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == status and "error" in r.json()
+    r = httpx.post(live.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    r = httpx.post(live.url + "/v1/completions", content=b"x" * (5 << 20), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["message"]
+
+
+def test_tokenize_and_detokenize(served):
+    _, _, live = served
+    ids = httpx.post(live.url + "/tokenize", json={"prompt": "the house"}).json()
+    assert ids["tokens"] == served[0].tokenizer.encode("the house") and ids["count"] == len(ids["tokens"])
+    assert httpx.post(live.url + "/detokenize", json={"tokens": ids["tokens"]}).json() == {"prompt": "the house"}
+    assert httpx.post(live.url + "/detokenize", json={"tokens": [10**6]}).status_code == 400
+
+
+def test_auth_and_overload(params, test_tokenizer):
+    runner = _runner(params, test_tokenizer, batch_size=1)
+    live = LiveServer(Server(runner, MODEL, api_key="sekrit", max_waiting=1))
+    try:
+        url = live.url + "/v1/completions"
+        body = {"model": MODEL, "prompt": "the", "max_tokens": 3, "temperature": 0}
+        assert httpx.post(url, json=body).status_code == 401
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        auth = {"Authorization": "Bearer sekrit"}
+        assert httpx.post(url, json=body, headers=auth).status_code == 200
+        assert httpx.get(live.url + "/health").status_code == 200  # no key needed
+        # one slot and one waiting place: of 6 simultaneous long requests, some are answered 503
+        long = {**body, "max_tokens": 60}
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*(c.post(url, json=long, headers=auth) for _ in range(6)))
+
+        codes = [r.status_code for r in asyncio.run(burst())]
+        assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= 1, codes
+        rejected = next(r for r in asyncio.run(burst()) if r.status_code == 503)
+        assert rejected.headers["retry-after"] == "1" and rejected.json()["error"]["type"] == "server_overloaded"
+    finally:
+        live.stop()
+
+
+def test_the_shipped_model_served_end_to_end():
+    from runner.runner import default_checkpoint
+
+    checkpoint = default_checkpoint()
+    if checkpoint is None:
+        pytest.skip("the shipped model is missing")
+    runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint), batch_size=2, pad_sizes=(16, 64))
+    runner.initialize()
+    live = LiveServer(Server(runner, "austen-moe"))
+    try:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        r = client.completions.create(model="austen-moe", prompt="It is a truth universally acknowledged, that",
+                                      max_tokens=12, temperature=0)
+        want = runner.complete(Request("It is a truth universally acknowledged, that", temperature=0.0, max_len=12))
+        assert r.choices[0].text == want.text and len(want.text) > 10
+        chat = client.chat.completions.create(model="austen-moe", messages=[{"role": "user", "content": "Bath?"}],
+                                              max_tokens=5, temperature=0)
+        assert chat.usage.completion_tokens == 5
+    finally:
+        live.stop()
