@@ -132,6 +132,11 @@ def serve(argv) -> int:
     p.add_argument("--compile-cache", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
         help="JAX's persistent compilation cache ('off' disables it)")
+    p.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+                   help="several hosts: coordinator HOST:PORT (process 0 serves HTTP, the others follow it)")
+    p.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
+    p.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"))
+    p.add_argument("--mesh", default=None, help="device mesh DATA,MODEL (default 1,1)")
     args = p.parse_args(argv)
     if not 0 < args.port < 65536:
         p.error(f"--port must be in [1, 65535], got {args.port}")
@@ -139,17 +144,22 @@ def serve(argv) -> int:
         p.error(f"--batch-size must be a positive integer, got {args.batch_size}")
     if args.max_waiting < 0:
         p.error(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    mesh = int_list(p, "--mesh", args.mesh) if args.mesh else [1, 1]
+    if len(mesh) != 2:
+        p.error(f"--mesh must be DATA,MODEL, got {args.mesh!r}")
     import jax
 
+    if args.coordinator or args.num_processes:
+        if not (args.coordinator and args.num_processes and args.process_id is not None):
+            p.error("several hosts need --coordinator, --num-processes and --process-id (or their env vars)")
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     if args.compile_cache != "off":
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    import uvicorn
-
     from checkpoints import CheckpointError
     from runner import InferenceRunner, ModelRunner
     from runner.runner import default_checkpoint
-    from server import Server
+    from server import Server, serve_forever
 
     checkpoint = args.checkpoint or default_checkpoint()
     if checkpoint is None or not os.path.isdir(checkpoint):
@@ -158,8 +168,15 @@ def serve(argv) -> int:
     try:
         runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, model=args.config,
                                                     expert_panels=kernels, sampler_kernel=kernels),
-                                 tokenizer_path=args.tokenizer, batch_size=args.batch_size)
+                                 tokenizer_path=args.tokenizer, batch_size=args.batch_size,
+                                 local_mesh_config=tuple(mesh))
         runner.initialize()
+        if jax.process_index() != 0:  # several hosts: follow process 0's rounds until it stops
+            runner.core.broadcast = True
+            print(f"process {jax.process_index()}: following process 0", file=sys.stderr)
+            runner.core.follow()
+            jax.distributed.shutdown()
+            return 0
         server = Server(runner, args.model_name or os.path.basename(os.path.normpath(checkpoint)),
                         api_key=args.api_key, max_waiting=args.max_waiting)
     except (ValueError, CheckpointError) as e:
@@ -168,7 +185,9 @@ def serve(argv) -> int:
     for line in runner.runner.kernel_report().splitlines():
         print(f"kernels: {line}", file=sys.stderr)
     print(f"serving {server.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
+    serve_forever(server.app, args.host, args.port)  # until Ctrl-C or SIGTERM, then a graceful stop
+    if jax.process_count() > 1:
+        jax.distributed.shutdown()
     return 0
 
 

@@ -17,15 +17,24 @@ prefill arguments, its detokenizer, a host-side bug) ends that request alone wit
 event and frees its slot; the other requests' tokens are unchanged, and every output read back
 from the device is processed, so the host's view of each slot never falls behind the device's.
 A failure of a whole device call ends every request it served, with a fresh decode state.
+
+Several hosts: with ``broadcast`` (the server sets it when ``jax.process_count() > 1``), process 0
+takes the requests and, at the start of every round, broadcasts the commands it drained (its
+submissions and cancellations) to all processes; every process applies the same commands and so
+runs the same device calls. The other processes call ``follow()``, which runs rounds until
+process 0 stops; their events go nowhere. While idle, process 0 still runs an empty round every
+``HEARTBEAT`` seconds, so the followers' collectives never wait long.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import queue
 import threading
+import time
 import zlib
 from typing import Callable, Optional, Protocol
 
@@ -38,11 +47,20 @@ from runner.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("grok_runner")
 
+HEARTBEAT = 1.0  # seconds between empty rounds of an idle broadcasting core
+
 
 class Sink(Protocol):
     """Where a request's events go; ``put`` is called from the thread running the rounds."""
 
     def put(self, event: TokenEvent) -> None: ...
+
+
+class _Nowhere:
+    """The sink of a follower process's requests (process 0 answers the clients)."""
+
+    def put(self, event: TokenEvent) -> None:
+        pass
 
 
 class Inbox:
@@ -119,6 +137,8 @@ class EngineCore:
         self._pending: list[tuple[object, list[tuple[int, _Slot]]]] = []
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        self.broadcast = False  # several processes: process 0's commands go to all (see above)
+        self._stopped = False  # a follower saw process 0 stop
 
     # ---- what clients call, from any thread ----------------------------------------------------
     def submit(self, request: Request, sink: Sink) -> None:
@@ -191,15 +211,31 @@ class EngineCore:
             self._stop.set()
             self._notify()
             thread.join()
+            if self.broadcast:  # the followers end with this round
+                self._commands.put(("stop",))
+                with self._round_lock:
+                    self._round()
+
+    def follow(self) -> None:
+        """On a process other than 0 with ``broadcast``: run the rounds process 0 broadcasts,
+        until it stops."""
+        if not self.broadcast or jax.process_index() == 0:
+            raise RuntimeError("follow() is for processes other than 0 of a broadcasting core")
+        while not self._stopped:
+            with self._round_lock:
+                self._round()
 
     def _loop(self) -> None:
+        last = time.monotonic()
         while not self._stop.is_set():
-            if self.idle() and self._commands.empty():
+            idle = self.idle() and self._commands.empty()
+            if idle and not (self.broadcast and time.monotonic() - last > HEARTBEAT):
                 with self._changed:
                     self._changed.wait(0.05)
                 continue
             with self._round_lock:
                 self._round()
+            last = time.monotonic()
             self._notify()
 
     def _notify(self) -> None:
@@ -228,15 +264,48 @@ class EngineCore:
         self._read(ready)
 
     def _apply_commands(self) -> None:
+        commands = []
         while True:
             try:
-                command = self._commands.get_nowait()
+                commands.append(self._commands.get_nowait())
             except queue.Empty:
-                return
+                break
+        if self.broadcast:
+            commands = self._broadcast(commands)
+        for command in commands:
             if command[0] == "submit":
                 self._waiting.append(command[1:])
-            else:
+            elif command[0] == "cancel":
                 self._cancel(command[1])
+            else:  # "stop": process 0 is done
+                self._stopped = True
+
+    def _broadcast(self, commands: list) -> list:
+        """Process 0's commands, on every process (a collective: every process calls it once a
+        round). Requests travel as their fields and prompt ids; a follower's have no sink."""
+        from jax.experimental import multihost_utils
+
+        if jax.process_index() == 0:
+            wire = [["submit", dataclasses.asdict(c[1]), c[2]] if c[0] == "submit" else list(c) for c in commands]
+            data = np.frombuffer(json.dumps(wire).encode(), np.uint8)
+        else:
+            data = np.zeros((0,), np.uint8)
+        size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
+        # padded to a power of two (at least 4 KiB): each buffer size is one more compiled collective
+        buffer = np.zeros((max(4096, 1 << (size - 1).bit_length()),), np.uint8)
+        buffer[: data.size] = data
+        data = np.asarray(multihost_utils.broadcast_one_to_all(buffer))[:size]
+        if jax.process_index() == 0:
+            return commands
+        out = []
+        for c in json.loads(data.tobytes().decode()):
+            if c[0] == "submit":
+                with self._ids:
+                    self._live[c[1]["request_id"]] = _Nowhere()
+                out.append(("submit", Request(**c[1]), c[2], _Nowhere()))
+            else:
+                out.append(tuple(c))
+        return out
 
     def _cancel(self, request_id: str) -> None:
         for i, (request, _, sink) in enumerate(self._waiting):

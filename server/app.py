@@ -104,6 +104,12 @@ class Server:
         self.chat_template = chat_template or ChatTemplate.for_checkpoint(
             getattr(runner.runner, "checkpoint_path", None))
         self.metrics = Metrics(model_name)
+        import jax
+
+        if jax.process_count() > 1:  # process 0 serves; the others follow its rounds (runner/core.py)
+            if jax.process_index() != 0:
+                raise ValueError("the HTTP server runs on process 0; the others call runner.core.follow()")
+            runner.core.broadcast = True
         self.created = int(time.time())
         self.ready = False
         self.app = self._build_app()
@@ -266,27 +272,35 @@ class Server:
         return sinks
 
     async def _events(self, choice: _Choice, sink: _Sink, top: int, arrived: float, prompt_tokens: int):
-        """The text pieces of one choice as they come; cancels its request if the consumer stops
-        early (a disconnect) or a stop string matched."""
+        """The text pieces of one choice as they come: all the events waiting at once make one
+        piece (a decode call brings several tokens together; one chunk each would cost the HTTP
+        path a JSON dump and a client parse per token). Cancels its request if the consumer
+        stops early (a disconnect) or a stop string matched."""
         request, last = choice.request, None
         try:
             while not choice.done:
-                event = await sink.queue.get()
+                events = [await sink.queue.get()]
+                while not sink.queue.empty():
+                    events.append(sink.queue.get_nowait())
                 now = time.perf_counter()
-                if event.token_id is not None:
-                    if last is None:
-                        self.metrics.ttft.observe(now - arrived)
-                        if sink.admitted_at is not None:
-                            self.metrics.queue.observe(max(0.0, sink.admitted_at - arrived))
-                    else:
-                        self.metrics.itl.observe(now - last)
-                    last = now
-                piece = choice.add(event, top)
+                piece = ""
+                for event in events:
+                    if choice.done:
+                        break
+                    if event.token_id is not None:
+                        if last is None:
+                            self.metrics.ttft.observe(now - arrived)
+                            if sink.admitted_at is not None:
+                                self.metrics.queue.observe(max(0.0, sink.admitted_at - arrived))
+                        else:
+                            self.metrics.itl.observe(now - last)
+                        last = now
+                    piece += choice.add(event, top)
                 yield piece
         finally:
+            self.metrics.generation_tokens.inc(len(choice.tokens))
             if not choice.done or self.runner.core.is_live(request.request_id):
                 self.runner.core.cancel(request.request_id)
-            self.metrics.generation_tokens.inc(len(choice.tokens))
             if choice.done:
                 self.metrics.e2e.observe(time.perf_counter() - arrived)
             self.metrics.finished(choice.finish_reason if choice.done else "abort")  # abort: the client left
@@ -480,3 +494,27 @@ class Server:
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "logprobs": logprobs_of(c), "finish_reason": c.finish_reason} for c in choices],
                 "usage": usage()}
+
+
+def serve_forever(app, host: str, port: int) -> None:
+    """Serve ``app`` with uvicorn until SIGINT or SIGTERM, then shut down gracefully (the
+    lifespan stops the engine core, which on several hosts also ends the followers) and return,
+    so the caller can leave ``jax.distributed`` in step with the other processes."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="uvicorn")  # off the main thread: no signal capture there
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    thread.start()
+    try:
+        while thread.is_alive() and not stop.wait(0.2):
+            pass
+    finally:
+        server.should_exit = True
+        thread.join()
+        for s, handler in previous.items():
+            signal.signal(s, handler)

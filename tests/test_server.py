@@ -2,12 +2,19 @@
 raw SSE read with httpx, many concurrent clients, disconnects, bad fields, auth and overload."""
 
 import asyncio
+import dataclasses
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
+import jax
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -317,3 +324,73 @@ def test_the_shipped_model_served_end_to_end():
         assert chat.usage.completion_tokens == 5
     finally:
         live.stop()
+
+
+MULTIHOST = dataclasses.replace(CONFIG, emb_size=64, num_q_heads=4, num_kv_heads=4, key_size=8)
+
+
+def multihost_runner(tokenizer):
+    """The same runner in one process (8 devices) and in each of 2 processes (4 devices each)."""
+    from model import init_params
+    from model.sharding import make_mesh
+    from tests.helpers import lively
+
+    params = jax.tree_util.tree_map(np.asarray, lively(init_params(MULTIHOST, jax.random.PRNGKey(5))))
+    runner = InferenceRunner(runner=ModelRunner(model=MULTIHOST, params=params), batch_size=4, pad_sizes=(8, 16),
+                             mesh=make_mesh((2, 4)), tokenizer_path=tokenizer)
+    runner.initialize()
+    return runner
+
+
+def test_two_processes_behind_one_server(test_tokenizer):
+    """Process 0 serves HTTP and broadcasts each round's admissions and cancellations; process 1
+    runs the same steps. Answers equal one process's own (8 devices, the same mesh)."""
+    from tests.test_sharding import REPO, free_port
+
+    single = multihost_runner(test_tokenizer)
+    asks = [("the house", dict(temperature=0.0)), ("a letter from her sister", dict(temperature=0.0)),
+            ("the ball", dict(temperature=0.9, top_p=0.9, seed=4))]
+    want = [single.complete(Request(p, temperature=s["temperature"], nucleus_p=s.get("top_p", 1.0),
+                                    rng_seed=s.get("seed"), max_len=8)).text for p, s in asks]
+    port, http_port = str(free_port()), free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    worker = str(REPO / "tests" / "multihost_server_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(i), "2", port, str(http_port), test_tokenizer], env=env,
+                              cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.time() + 240
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert all(p.poll() is None for p in procs), [p.communicate()[0][-3000:] for p in procs]
+            assert time.time() < deadline, "the 2-process server did not start"
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+        async def together():  # at once, so they share rounds
+            c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            try:
+                return await asyncio.gather(*(c.completions.create(model="multihost", prompt=p, max_tokens=8, **s)
+                                              for p, s in asks))
+            finally:
+                await c.close()
+
+        got = [r.choices[0].text for r in asyncio.run(together())]
+        assert got == want
+        # a cancelled (disconnected) stream on process 0 is cancelled on process 1 as well: the
+        # processes stay in step, and later answers are still right
+        with httpx.stream("POST", url + "/v1/completions", json={"model": "multihost", "prompt": "the", "max_tokens": 50,
+                                                                  "temperature": 0, "stream": True}) as r:
+            next(r.iter_lines())
+        again = client.completions.create(model="multihost", prompt=asks[0][0], max_tokens=8, temperature=0)
+        assert again.choices[0].text == want[0]
+    finally:
+        procs[0].send_signal(signal.SIGTERM)  # uvicorn shuts down; the core tells process 1 to stop
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0 and f"process {i} done" in log, log[-3000:]
