@@ -103,6 +103,10 @@ def main(argv=None) -> None:
     parser.add_argument("--rates", default="2,8,inf")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--model", choices=["shipped", "bench"], default="shipped",
+                        help="shipped: checkpoints/austen-moe; bench: python -m bench's config (emb 512, 8 layers, "
+                        "8 experts) with the shipped tokenizer's vocabulary, random weights, saved to a temporary "
+                        "checkpoint (a model whose steps cost more than the shipped one's)")
     parser.add_argument("--out", default="bench/serve.json")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
@@ -111,15 +115,33 @@ def main(argv=None) -> None:
     from runner import InferenceRunner, ModelRunner, Request
     from runner.runner import default_checkpoint
 
+    import tempfile
+
+    checkpoint = default_checkpoint()
+    scratch = tempfile.TemporaryDirectory()
+    if args.model == "bench":
+        import dataclasses
+
+        import jax
+
+        from bench.__main__ import BENCH
+        from checkpoints.native import save
+        from model import init_params
+
+        config = dataclasses.replace(BENCH, vocab_size=8192)
+        save(scratch.name, init_params(config, jax.random.PRNGKey(0)), config,
+             tokenizer=os.path.join(checkpoint, "tokenizer.model"))
+        checkpoint = scratch.name
     # this process's own runner, for the run() baseline and the workload's tokenizer
-    runner = InferenceRunner(runner=ModelRunner(checkpoint_path=default_checkpoint()), batch_size=args.batch_size)
+    runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint), batch_size=args.batch_size)
     runner.initialize()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    server = subprocess.Popen([sys.executable, "run.py", "serve", "--port", str(port), "--batch-size",
-                               str(args.batch_size), "--max-waiting", "100000"], cwd=HERE,
+    server = subprocess.Popen([sys.executable, "run.py", "serve", "--checkpoint", checkpoint, "--model-name",
+                               "austen-moe", "--port", str(port), "--batch-size", str(args.batch_size),
+                               "--max-waiting", "100000"], cwd=HERE,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -134,7 +156,8 @@ def main(argv=None) -> None:
                 raise RuntimeError(f"the server did not start: {server.stderr.read()[-2000:]}")
             time.sleep(0.5)
         results = {"cpu": cpu(), "machine": platform.machine(), "batch_size": args.batch_size, "rates": []}
-        print(f"CPU: {results['cpu']}; shipped model, batch {args.batch_size}, {args.requests} requests a rate")
+        results["model"] = args.model
+        print(f"CPU: {results['cpu']}; {args.model} model, batch {args.batch_size}, {args.requests} requests a rate")
         asyncio.run(load(url, workload(8, 99, runner.tokenizer), float("inf"), 99))  # warm-up
         print("| rate (req/s) | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms |")
         print("|---:|---:|---:|---:|---:|---:|")
@@ -165,6 +188,7 @@ def main(argv=None) -> None:
     finally:
         server.terminate()
         server.wait(timeout=30)
+        scratch.cleanup()
 
 
 if __name__ == "__main__":
