@@ -112,6 +112,21 @@ def int_list(parser, flag, text):
     return values
 
 
+def start_jax(parser, args) -> None:
+    """Join the other processes (several hosts) and keep the persistent compilation cache."""
+    import jax
+
+    if args.coordinator == "auto":
+        jax.distributed.initialize()  # Cloud TPU, SLURM, ...: JAX finds the cluster itself
+    elif args.coordinator or args.num_processes:
+        if not (args.coordinator and args.num_processes and args.process_id is not None):
+            parser.error("multi-host needs --coordinator, --num-processes and --process-id (or their env vars)")
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    if args.compile_cache != "off":
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def serve(argv) -> int:
     """``run.py serve``: the OpenAI-compatible HTTP server (server/) on a checkpoint."""
     p = argparse.ArgumentParser(prog="run.py serve", description="Serve a checkpoint over the OpenAI API "
@@ -147,15 +162,9 @@ def serve(argv) -> int:
     mesh = int_list(p, "--mesh", args.mesh) if args.mesh else [1, 1]
     if len(mesh) != 2:
         p.error(f"--mesh must be DATA,MODEL, got {args.mesh!r}")
+    start_jax(p, args)
     import jax
 
-    if args.coordinator or args.num_processes:
-        if not (args.coordinator and args.num_processes and args.process_id is not None):
-            p.error("several hosts need --coordinator, --num-processes and --process-id (or their env vars)")
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    if args.compile_cache != "off":
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     from checkpoints import CheckpointError
     from runner import InferenceRunner, ModelRunner
     from runner.runner import default_checkpoint
@@ -199,21 +208,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     if args.plan:
         return plan(parser, args)
-    if args.coordinator == "auto":
-        import jax
-
-        jax.distributed.initialize()  # Cloud TPU, SLURM, ...: JAX finds the cluster itself
-    elif args.coordinator or args.num_processes:
-        import jax
-
-        if not (args.coordinator and args.num_processes and args.process_id is not None):
-            parser.error("multi-host needs --coordinator, --num-processes and --process-id (or their env vars)")
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    if args.compile_cache != "off":
-        import jax
-
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    start_jax(parser, args)
     from runner import InferenceRunner, ModelRunner, Request
     from runner.compile_count import cache_hits, compilations
     from runner.runner import default_checkpoint
