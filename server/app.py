@@ -53,10 +53,9 @@ class _Sink:
 class _Choice:
     """One choice of a response: its text so far, stop-string matching, logprobs, finish reason."""
 
-    def __init__(self, index: int, request: Request, stops: list[str], token_text):
+    def __init__(self, index: int, request: Request, stops: list[str]):
         self.index, self.request = index, request
         self.matcher = StopMatcher(stops) if stops else None
-        self.token_text = token_text
         # per kept token: id, its text in the output (the detokenizer's delta: a character split
         # over byte pieces belongs to its last piece), log-probability, alternatives, text offset
         self.text, self.tokens, self.strs, self.logprobs, self.tops, self.offsets = "", [], [], [], [], []
@@ -160,12 +159,12 @@ class Server:
         @app.post("/v1/completions")
         async def completions(request: HTTPRequest):
             body = await self._parse(request, CompletionRequest)
-            return await self._completions(request, body)
+            return await self._completions(body)
 
         @app.post("/v1/chat/completions")
         async def chat(request: HTTPRequest):
             body = await self._parse(request, ChatCompletionRequest)
-            return await self._chat(request, body)
+            return await self._chat(body)
 
         @app.post("/tokenize")
         async def tokenize(request: HTTPRequest):
@@ -271,7 +270,7 @@ class Server:
             raise bad_request(e, field) from None
         return sinks
 
-    async def _events(self, choice: _Choice, sink: _Sink, top: int, arrived: float, prompt_tokens: int):
+    async def _events(self, choice: _Choice, sink: _Sink, top: int, arrived: float):
         """The text pieces of one choice as they come: all the events waiting at once make one
         piece (a decode call brings several tokens together; one chunk each would cost the HTTP
         path a JSON dump and a client parse per token). Cancels its request if the consumer
@@ -305,13 +304,13 @@ class Server:
                 self.metrics.e2e.observe(time.perf_counter() - arrived)
             self.metrics.finished(choice.finish_reason if choice.done else "abort")  # abort: the client left
 
-    async def _run_all(self, choices, sinks, top, arrived, prompt_tokens):
+    async def _run_all(self, choices, sinks, top, arrived):
         async def drain(choice, sink):
-            async for _ in self._events(choice, sink, top, arrived, prompt_tokens):
+            async for _ in self._events(choice, sink, top, arrived):
                 pass
         await asyncio.gather(*(drain(c, s) for c, s in zip(choices, sinks)))
 
-    async def _stream(self, request: HTTPRequest, choices, sinks, top, arrived, prompt_tokens, chunk, usage):
+    async def _stream(self, choices, sinks, top, arrived, chunk, usage):
         """SSE: every choice's pieces as ``chunk(choice, piece, first)`` dicts, then the usage chunk
         (when asked) and ``[DONE]``. A disconnect cancels every choice's request."""
         out: asyncio.Queue = asyncio.Queue()
@@ -319,7 +318,7 @@ class Server:
         async def pump(choice, sink):
             first = True
             try:
-                async for piece in self._events(choice, sink, top, arrived, prompt_tokens):
+                async for piece in self._events(choice, sink, top, arrived):
                     if piece or choice.done or first:
                         await out.put(chunk(choice, piece, first))
                         first = False
@@ -349,7 +348,7 @@ class Server:
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     # ---- completions ---------------------------------------------------------------------------------
-    async def _completions(self, request: HTTPRequest, body: CompletionRequest):
+    async def _completions(self, body: CompletionRequest):
         body.check()
         arrived = time.perf_counter()
         prompts = body.prompts()
@@ -361,7 +360,7 @@ class Server:
         sinks = self._submit(runs, "prompt")
         prompt_tokens = sum(len(i) for i in ids)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        choices = [_Choice(k, r, body.stops(), self._token_text) for k, r in enumerate(runs)]
+        choices = [_Choice(k, r, body.stops()) for k, r in enumerate(runs)]
         top = body.logprobs or 0
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_text = [p if isinstance(p, str) else self.runner.tokenizer.decode(p) for p in prompts]
@@ -396,9 +395,9 @@ class Server:
 
             final = (lambda: {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                               "choices": [], "usage": usage()}) if body.include_usage() else None
-            return await self._stream(request, choices, sinks, top, arrived, prompt_tokens, chunk, final)
+            return await self._stream(choices, sinks, top, arrived, chunk, final)
 
-        await self._run_all(choices, sinks, top, arrived, prompt_tokens)
+        await self._run_all(choices, sinks, top, arrived)
         out = []
         for c in choices:
             lp = logprobs_of(c, 0, len(echoed(c)))
@@ -442,7 +441,7 @@ class Server:
         return ids, scores, tops
 
     # ---- chat ----------------------------------------------------------------------------------------
-    async def _chat(self, request: HTTPRequest, body: ChatCompletionRequest):
+    async def _chat(self, body: ChatCompletionRequest):
         body.check()
         arrived = time.perf_counter()
         prompt = self._render(body.messages)
@@ -452,7 +451,7 @@ class Server:
         runs = body.requests(prompt, max_tokens, "messages")
         sinks = self._submit(runs, "messages")
         self.metrics.prompt_tokens.inc(len(ids))
-        choices = [_Choice(k, r, body.stops(), self._token_text) for k, r in enumerate(runs)]
+        choices = [_Choice(k, r, body.stops()) for k, r in enumerate(runs)]
         top = body.top_logprobs or 0
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -487,9 +486,9 @@ class Server:
             final = (lambda: {"id": rid, "object": "chat.completion.chunk", "created": created,
                               "model": self.model_name, "choices": [], "usage": usage()}) \
                 if body.include_usage() else None
-            return await self._stream(request, choices, sinks, top, arrived, len(ids), chunk, final)
+            return await self._stream(choices, sinks, top, arrived, chunk, final)
 
-        await self._run_all(choices, sinks, top, arrived, len(ids))
+        await self._run_all(choices, sinks, top, arrived)
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "logprobs": logprobs_of(c), "finish_reason": c.finish_reason} for c in choices],
