@@ -39,6 +39,33 @@ def mixtral_like(config):
     return model
 
 
+def fast_tokenizer(model_file: str):
+    """The shipped SentencePiece BPE model as a transformers tokenizer that encodes identically.
+
+    SentencePiece BPE merges pieces in the order of their scores (here, their ids); a Hugging Face
+    BPE model takes the same merges as a ranked list, so each piece that is the concatenation of two
+    others becomes the merge of those two, ranked by the merged piece's id. No dummy prefix and an
+    identity normalizer, as the model was trained; spaces become U+2581 and split words, and bytes
+    fall back to ``<0xNN>`` pieces.
+    """
+    import sentencepiece as spm
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    sp = spm.SentencePieceProcessor(model_file=model_file)
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    merges = sorted((vocab[piece], vocab[piece[:k]], vocab[piece[k:]], piece[:k], piece[k:])
+                    for piece, i in vocab.items() if not (sp.is_byte(i) or sp.is_control(i) or sp.is_unknown(i))
+                    for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges],
+                                     unk_token=sp.id_to_piece(sp.unk_id()), byte_fallback=True, fuse_unk=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=True)
+    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("\u2581", " ")])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=sp.id_to_piece(sp.bos_id()),
+                                   eos_token=sp.id_to_piece(sp.eos_id()), unk_token=sp.id_to_piece(sp.unk_id()),
+                                   pad_token=sp.id_to_piece(sp.pad_id()))
+
+
 def measure(config, batches=(1, 8), prompt_len: int = 128, new_tokens: int = 32, repeats: int = 3) -> dict:
     import torch
     import transformers

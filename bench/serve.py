@@ -10,8 +10,12 @@ TTFT, TPOT and inter-token latency at p50 and p99. Then the HTTP path against ``
 process at the same batch size: the same requests all at once, each way three times taking turns
 (the server idle while ``run()`` runs), output tokens/s over the wall time of the batch.
 
-Runs on the shipped model because the server speaks text and needs its tokenizer. No peer server
-is started here (see BENCHMARKS.md). Never run by the tests.
+``--model bench`` serves the config of ``python -m bench`` (random weights, the shipped tokenizer)
+instead of the shipped model. With it, ``--peer`` sends the same load, in the same run, to
+``transformers serve --continuous-batching`` on CPU serving a Hugging Face Mixtral of the same
+dimensions (``bench/peer.py``; the shipped tokenizer converted so that it encodes identically, so
+both servers see the same prompt tokens). Needs torch, transformers and accelerate
+(``pip install -e '.[bench]'``). Never run by the tests.
 """
 
 from __future__ import annotations
@@ -56,8 +60,8 @@ def percentile(values, q):
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": "austen-moe", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     times, tokens = [], 0
@@ -77,13 +81,13 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int)
             "tpot": (end - times[0]) / max(tokens - 1, 1) if times else float("nan")}
 
 
-async def load(url: str, work, rate: float, seed: int) -> dict:
+async def load(url: str, work, rate: float, seed: int, model: str = "austen-moe") -> dict:
     rng = np.random.default_rng(seed)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(work))) as client:
         start, cpu_start = time.perf_counter(), time.process_time()
         tasks = []
         for prompt, max_tokens in work:
-            tasks.append(asyncio.create_task(one(client, url, prompt, max_tokens)))
+            tasks.append(asyncio.create_task(one(client, url, model, prompt, max_tokens)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.exponential(1.0 / rate))
         results = await asyncio.gather(*tasks)
@@ -98,6 +102,55 @@ async def load(url: str, work, rate: float, seed: int) -> dict:
             **{f"itl_p{q}_ms": percentile(itl, q) * 1e3 for q in (50, 99)}}
 
 
+def free_port() -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def start_server(command: list[str], port: int, log) -> subprocess.Popen:
+    """Start a server subprocess and wait until its ``/health`` answers 200 (5 minutes at most)."""
+    server = subprocess.Popen(command, cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.time() > deadline:
+            server.kill()
+            log.seek(0)
+            raise RuntimeError(f"{command[0]} did not start: {log.read()[-2000:]}")
+        time.sleep(0.5)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def rate_table(url: str, model: str, rates, requests: int, tokenizer) -> list[dict]:
+    """A warm-up, then one row a rate (the same workloads for every server: seeded by the rate's index)."""
+    asyncio.run(load(url, workload(8, 99, tokenizer), float("inf"), 99, model))
+    print("| rate (req/s) | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for i, rate in enumerate(rates):
+        row = asyncio.run(load(url, workload(requests, i, tokenizer), rate, i, model))
+        rows.append(row)
+        print(f"| {rate:g} | {row['request_per_s']:.2f} | {row['output_tokens_per_s']:.1f} | "
+              f"{row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} | {row['tpot_p50_ms']:.1f} / "
+              f"{row['tpot_p99_ms']:.1f} | {row['itl_p50_ms']:.1f} / {row['itl_p99_ms']:.1f} |", flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="2,8,inf")
@@ -107,9 +160,21 @@ def main(argv=None) -> None:
                         help="shipped: checkpoints/austen-moe; bench: python -m bench's config (emb 512, 8 layers, "
                         "8 experts) with the shipped tokenizer's vocabulary, random weights, saved to a temporary "
                         "checkpoint (a model whose steps cost more than the shipped one's)")
+    parser.add_argument("--peer", action="store_true",
+                        help="with --model bench: the same load against transformers serve --continuous-batching "
+                        "on a Mixtral of the same dimensions, after ours")
     parser.add_argument("--out", default="bench/serve.json")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
+    if args.peer and args.model != "bench":
+        parser.error("--peer needs --model bench (the peer serves a model of the bench config's dimensions)")
+    if args.peer:
+        from bench import peer
+
+        import importlib.util
+
+        if not peer.available() or importlib.util.find_spec("accelerate") is None:  # transformers serve needs it
+            parser.error("--peer needs torch, transformers and accelerate: pip install -e '.[bench]'")
 
     from bench.kernels import cpu
     from runner import InferenceRunner, ModelRunner, Request
@@ -118,7 +183,9 @@ def main(argv=None) -> None:
     import tempfile
 
     checkpoint = default_checkpoint()
+    tokenizer_file = os.path.join(checkpoint, "tokenizer.model")
     scratch = tempfile.TemporaryDirectory()
+    log = tempfile.TemporaryFile("w+")
     if args.model == "bench":
         import dataclasses
 
@@ -129,44 +196,20 @@ def main(argv=None) -> None:
         from model import init_params
 
         config = dataclasses.replace(BENCH, vocab_size=8192)
-        save(scratch.name, init_params(config, jax.random.PRNGKey(0)), config,
-             tokenizer=os.path.join(checkpoint, "tokenizer.model"))
-        checkpoint = scratch.name
+        checkpoint = os.path.join(scratch.name, "ours")
+        save(checkpoint, init_params(config, jax.random.PRNGKey(0)), config, tokenizer=tokenizer_file)
     # this process's own runner, for the run() baseline and the workload's tokenizer
     runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint), batch_size=args.batch_size)
     runner.initialize()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    server = subprocess.Popen([sys.executable, "run.py", "serve", "--checkpoint", checkpoint, "--model-name",
-                               "austen-moe", "--port", str(port), "--batch-size", str(args.batch_size),
-                               "--max-waiting", "100000"], cwd=HERE,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    results = {"cpu": cpu(), "machine": platform.machine(), "batch_size": args.batch_size, "model": args.model}
+    print(f"CPU: {results['cpu']}; {args.model} model, batch {args.batch_size}, {args.requests} requests a rate")
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
+    server = start_server([sys.executable, "run.py", "serve", "--checkpoint", checkpoint, "--model-name",
+                           "austen-moe", "--port", str(port), "--batch-size", str(args.batch_size),
+                           "--max-waiting", "100000"], port, log)
     try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"the server did not start: {server.stderr.read()[-2000:]}")
-            time.sleep(0.5)
-        results = {"cpu": cpu(), "machine": platform.machine(), "batch_size": args.batch_size, "rates": []}
-        results["model"] = args.model
-        print(f"CPU: {results['cpu']}; {args.model} model, batch {args.batch_size}, {args.requests} requests a rate")
-        asyncio.run(load(url, workload(8, 99, runner.tokenizer), float("inf"), 99))  # warm-up
-        print("| rate (req/s) | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms |")
-        print("|---:|---:|---:|---:|---:|---:|")
-        for i, rate in enumerate(rates):
-            row = asyncio.run(load(url, workload(args.requests, i, runner.tokenizer), rate, i))
-            results["rates"].append(row)
-            print(f"| {rate:g} | {row['request_per_s']:.2f} | {row['output_tokens_per_s']:.1f} | "
-                  f"{row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} | {row['tpot_p50_ms']:.1f} / "
-                  f"{row['tpot_p99_ms']:.1f} | {row['itl_p50_ms']:.1f} / {row['itl_p99_ms']:.1f} |")
+        results["rates"] = rate_table(url, "austen-moe", rates, args.requests, runner.tokenizer)
         work = workload(args.requests, 1000, runner.tokenizer)
         direct, http = [], []
         for _ in range(3):
@@ -183,12 +226,27 @@ def main(argv=None) -> None:
               f"{', '.join(f'{x:.0f}' for x in direct)}; HTTP {', '.join(f'{x:.0f}' for x in http)}; "
               f"HTTP / run() {ratio:.0%} (medians); the load generator itself used "
               f"{statistics.median(results['client_cpu_cores']):.2f} of the {os.cpu_count()} cores meanwhile")
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
     finally:
-        server.terminate()
-        server.wait(timeout=30)
-        scratch.cleanup()
+        stop_server(server)
+    if args.peer:
+        import transformers
+
+        hf = os.path.join(scratch.name, "mixtral")
+        peer.mixtral_like(config).save_pretrained(hf)
+        peer.fast_tokenizer(tokenizer_file).save_pretrained(hf)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        name = f"transformers {transformers.__version__} serve --continuous-batching"
+        print(f"\nthe peer: {name}, MixtralForCausalLM of the same dimensions, fp32, CPU")
+        server = start_server(["transformers", "serve", hf, "--device", "cpu", "--dtype", "float32",
+                               "--continuous-batching", "--host", "127.0.0.1", "--port", str(port)], port, log)
+        try:
+            results["peer"] = {"server": name, "rates": rate_table(url, hf, rates, args.requests, runner.tokenizer)}
+        finally:
+            stop_server(server)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    scratch.cleanup()
 
 
 if __name__ == "__main__":
