@@ -18,7 +18,7 @@ from tqdm import tqdm
 from checkpoints.grok1_layout import open_original
 from checkpoints.lazy import LazyQuantized
 from checkpoints.native import save_tensors
-from checkpoints.restore import check_sources, check_tokenizer, resolve_config
+from checkpoints.materialize import check_sources, check_tokenizer, resolve_config
 from checkpoints.safe_pickle import CheckpointError
 
 

@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from checkpoints.lazy import LazyQuantized, LazyTensor
+from checkpoints.materialize import materialize
 from checkpoints.safe_pickle import ArrayRecord, CheckpointError, QuantizedRecord, read_pickled_tensor
 from model.config import ModelConfig
 
@@ -73,6 +74,4 @@ def _lazy(record: ArrayRecord | QuantizedRecord):
 
 def load_original(ckpt_dir: str, config: ModelConfig, shard: int = 0) -> dict:
     """All parameters as host numpy arrays / ``QuantizedWeight8bit``, shapes and dtypes checked."""
-    from checkpoints.restore import materialize
-
     return materialize(open_original(ckpt_dir, config, shard), config, mesh=None, to_host=True)

@@ -15,7 +15,7 @@ import pytest
 from checkpoints import CheckpointError, open_native, restore, save
 from checkpoints.convert import convert, main as convert_main
 from checkpoints.lazy import LazyTensor
-from checkpoints.restore import materialize
+from checkpoints.materialize import materialize
 from model import GROK_1_REFERENCE_TINY, TINY, QuantizedWeight8bit, forward
 from model.quant import dequantize
 from model.sharding import make_mesh
@@ -88,11 +88,11 @@ def test_restore_onto_meshes_gives_identical_logits(reference_dir, converted, im
 
 
 def test_each_device_reads_only_its_own_slice():
-    from checkpoints.restore import abstract_params
+    from checkpoints.materialize import declared_shapes
 
     reads = []
     sources = {}
-    for name, shape in abstract_params(FIXTURE).items():
+    for name, shape in declared_shapes(FIXTURE).items():
         sources[name] = LazyTensor(name, shape, np.dtype(np.float32),
                                    lambda index, shape=shape: np.zeros(shape, np.float32)[index])
     name = "transformer/decoder_layer_0/moe/linear/w"

@@ -1,0 +1,182 @@
+"""Materialise checked tensor sources as parameters on a mesh: the step every checkpoint format
+shares, after ``checkpoints.native`` or ``checkpoints.grok1_layout`` has opened its files.
+
+``check_sources`` compares every tensor with the parameters the config declares (names, shapes,
+dtypes) before any data is read; ``materialize`` builds each parameter with
+``jax.make_array_from_callback`` on its target sharding from the rules in ``model/sharding.py``,
+so each device reads only its own slice. Host memory stays near one device slice at a time
+(plus, on CPU, the devices' own copies, which live in host memory).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from checkpoints.lazy import LazyQuantized, LazyTensor, dequantized_slice
+from checkpoints.native import load_config
+from checkpoints.safe_pickle import CheckpointError
+from model.config import PRESETS, ModelConfig
+from model.quant import QuantizedWeight8bit
+from model.sharding import param_shardings, path_str
+
+
+def resolve_config(config) -> ModelConfig:
+    """A ``ModelConfig`` from itself, a preset name or a JSON file."""
+    if isinstance(config, ModelConfig):
+        return config
+    if isinstance(config, str) and config in PRESETS:
+        return PRESETS[config]
+    if isinstance(config, str) and os.path.isfile(config):
+        return load_config(config)
+    raise CheckpointError(f"config {config!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                          "nor a JSON file")
+
+
+def _is_float(dtype) -> bool:
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype.name == "bfloat16"
+
+
+def declared_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Declared shape of every parameter path of ``config``."""
+    from model.plan import abstract_params as shapes_of
+
+    flat = jax.tree_util.tree_flatten_with_path(shapes_of(config))[0]
+    return {path_str(path): tuple(leaf.shape) for path, leaf in flat}
+
+
+def check_sources(sources: dict, config: ModelConfig) -> None:
+    """Every declared parameter present with its shape and a sensible dtype; nothing extra."""
+    expected = declared_shapes(config)
+    missing = sorted(set(expected) - set(sources))
+    if missing:
+        raise CheckpointError(f"checkpoint is missing tensor(s) {missing[:5]}"
+                              f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all)")
+    unexpected = sorted(set(sources) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"checkpoint has unexpected tensor(s) {unexpected[:5]} "
+                              f"{'...' if len(unexpected) > 5 else ''}(not parameters of this config)")
+    for name, source in sources.items():
+        shape = expected[name]
+        if isinstance(source, LazyQuantized):
+            w, s = source.weight, source.scales
+            if w.shape != shape:
+                raise CheckpointError(f"tensor {name} ({w.source}): shape mismatch, expected {shape}, "
+                                      f"found {w.shape}")
+            if np.dtype(w.dtype) != np.int8:
+                raise CheckpointError(f"tensor {name} ({w.source}): dtype mismatch, expected int8 "
+                                      f"weight, found {w.dtype}")
+            groups = s.shape[-2] if len(s.shape) == len(shape) else 0
+            if (len(s.shape) != len(shape) or s.shape[:-2] != shape[:-2] or s.shape[-1] != shape[-1]
+                    or groups == 0 or shape[-2] % groups):
+                raise CheckpointError(f"tensor {name} ({s.source}): scales shape {s.shape} does not fit "
+                                      f"weight {shape} (expected [..., G, {shape[-1]}] with G dividing "
+                                      f"{shape[-2]})")
+            if not _is_float(s.dtype):
+                raise CheckpointError(f"tensor {name} ({s.source}): dtype mismatch, expected float "
+                                      f"scales, found {s.dtype}")
+        else:
+            if source.shape != shape:
+                raise CheckpointError(f"tensor {name} ({source.source}): shape mismatch, expected "
+                                      f"{shape}, found {source.shape}")
+            if not _is_float(source.dtype):
+                raise CheckpointError(f"tensor {name} ({source.source}): dtype mismatch, expected a "
+                                      f"float dtype, found {source.dtype}")
+
+
+def _nest(flat: dict) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split("/")
+        node = tree
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return tree
+
+
+def _placeholder(source):
+    """A ShapeDtypeStruct tree for a source, to derive its sharding."""
+    if isinstance(source, LazyQuantized):
+        return QuantizedWeight8bit(weight=jax.ShapeDtypeStruct(source.weight.shape, source.weight.dtype),
+                                   scales=jax.ShapeDtypeStruct(source.scales.shape, source.scales.dtype))
+    return jax.ShapeDtypeStruct(source.shape, source.dtype)
+
+
+def materialize(sources: dict, config: ModelConfig, *, mesh: Mesh | None, dtype=None,
+                dequantize: bool = False, rules: dict | None = None, to_host: bool = False,
+                progress: bool | None = None) -> dict:
+    """Build the parameter tree from lazy sources, each device reading only its own slice.
+
+    ``dtype`` casts float parameters (and int8 scales); ``dequantize`` turns int8 weights into
+    ``dtype`` (default float32) arrays at load. ``to_host`` returns numpy arrays instead.
+    """
+    check_sources(sources, config)
+    total = sum(s.nbytes for s in sources.values())
+    bar = None
+    if progress or (progress is None and total > (1 << 30)):
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="restore")
+    float_dtype = None if dtype is None else np.dtype(dtype)
+    deq_dtype = float_dtype or np.dtype(np.float32)
+
+    placeholders = {}
+    for name, source in sources.items():
+        if dequantize and isinstance(source, LazyQuantized):
+            placeholders[name] = jax.ShapeDtypeStruct(source.shape, deq_dtype)
+        else:
+            placeholders[name] = _placeholder(source)
+    if mesh is not None:
+        # flat names: "<path>" for arrays, "<path>/weight" and "<path>/scales" for int8 weights
+        shardings = param_shardings(_nest(placeholders), mesh, rules)
+        flat_shardings = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+    else:
+        single = None if to_host else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        flat_shardings = collections.defaultdict(lambda: single)
+
+    def build(lazy: LazyTensor, sharding, out_dtype, reader=None):
+        reader = reader or (lambda index: lazy.read(index))
+        cast = (lambda a: a.astype(out_dtype)) if out_dtype is not None else (lambda a: a)
+        if sharding is None:
+            return cast(reader(tuple(slice(None) for _ in lazy.shape)))
+        return jax.make_array_from_callback(lazy.shape, sharding, lambda index: cast(reader(index)))
+
+    out = {}
+    for name, source in sources.items():
+        if isinstance(source, LazyQuantized) and dequantize:
+            out[name] = build(source.weight, flat_shardings[name], None,
+                              reader=lambda index, s=source: dequantized_slice(s, index, deq_dtype))
+        elif isinstance(source, LazyQuantized):
+            out[name] = QuantizedWeight8bit(
+                weight=build(source.weight, flat_shardings[name + "/weight"], None),
+                scales=build(source.scales, flat_shardings[name + "/scales"], float_dtype))
+        else:
+            out[name] = build(source, flat_shardings[name], float_dtype)
+        if bar is not None:
+            bar.update(source.nbytes)
+    if bar is not None:
+        bar.close()
+    return _nest(out)
+
+
+def check_tokenizer(tokenizer_path: str | None, config: ModelConfig) -> None:
+    """A tokenizer whose vocabulary differs from the model's is an error (a classic bug)."""
+    if tokenizer_path is None:
+        return
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=tokenizer_path)
+    except (OSError, RuntimeError) as e:
+        raise CheckpointError(f"{tokenizer_path}: not a SentencePiece model ({e})") from None
+    if sp.vocab_size() != config.vocab_size:
+        raise CheckpointError(f"{tokenizer_path}: tokenizer vocabulary has {sp.vocab_size()} pieces but "
+                              f"the config's vocab_size is {config.vocab_size}")
+
+
