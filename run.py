@@ -39,10 +39,11 @@ def parse_args(argv):
     p.add_argument("--mesh", default=None, help="device mesh DATA,MODEL (default 1,1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation dtype "
                    "(default: the checkpoint's; float32 is used on CPU, where bf16 matmuls are slow)")
-    p.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
-                   help="the CPU kernels of model/panel.py on one CPU device: auto takes each where it is "
-                   "measured faster than XLA's op on this CPU (measured once per machine and cached); on "
-                   "insists on all, off keeps XLA's (default auto)")
+    p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto",
+                   help="where the operations run (kernels/): xla is pure JAX on any devices; cpu is one CPU "
+                   "device with every C++ kernel; auto (default) is cpu on one CPU device with each kernel "
+                   "taken only where measured faster than XLA's op on this CPU (once per machine, cached), "
+                   "xla elsewhere")
     p.add_argument("--compile-cache", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
         help="directory of JAX's persistent compilation cache, so a second start skips XLA "
@@ -143,7 +144,7 @@ def serve(argv) -> int:
     p.add_argument("--batch-size", type=int, default=8, help="decode slots (default 8)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may wait for a slot; beyond, 503 with Retry-After (default 256)")
-    p.add_argument("--kernels", choices=["auto", "on", "off"], default="auto", help="CPU kernels (see run.py --help)")
+    p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto", help="see run.py --help")
     p.add_argument("--compile-cache", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
         help="JAX's persistent compilation cache ('off' disables it)")
@@ -173,10 +174,9 @@ def serve(argv) -> int:
     checkpoint = args.checkpoint or default_checkpoint()
     if checkpoint is None or not os.path.isdir(checkpoint):
         p.error(f"--checkpoint {checkpoint!r} is not a directory")
-    kernels = {"auto": None, "on": True, "off": False}[args.kernels]
     try:
         runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, model=args.config,
-                                                    expert_panels=kernels, sampler_kernel=kernels),
+                                                    backend=args.backend),
                                  tokenizer_path=args.tokenizer, batch_size=args.batch_size,
                                  local_mesh_config=tuple(mesh))
         runner.initialize()
@@ -191,8 +191,8 @@ def serve(argv) -> int:
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for line in runner.runner.kernel_report().splitlines():
-        print(f"kernels: {line}", file=sys.stderr)
+    for line in runner.runner.backend_report().splitlines():
+        print(line if line.startswith("backend:") else f"  kernel {line}", file=sys.stderr)
     print(f"serving {server.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve_forever(server.app, args.host, args.port)  # until Ctrl-C or SIGTERM, then a graceful stop
     if jax.process_count() > 1:
@@ -234,15 +234,13 @@ def main(argv=None) -> int:
         piped = sys.stdin is not None and not sys.stdin.isatty()
         prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()] if piped else []
         prompts = prompts or [DEFAULT_PROMPT]  # nothing piped in: the default prompt
-    kernels = {"auto": None, "on": True, "off": False}[args.kernels]
     try:
         requests = [Request(p, temperature=args.temperature, nucleus_p=args.top_p, top_k=args.top_k,
                             rng_seed=args.seed + i, max_len=args.max_tokens) for i, p in enumerate(prompts)]
         from checkpoints import CheckpointError
 
         runner = InferenceRunner(
-            runner=ModelRunner(checkpoint_path=checkpoint, model=config, dtype=args.dtype,
-                               expert_panels=kernels, sampler_kernel=kernels),
+            runner=ModelRunner(checkpoint_path=checkpoint, model=config, dtype=args.dtype, backend=args.backend),
             tokenizer_path=args.tokenizer, local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
             batch_size=args.batch_size)
         runner.initialize()
@@ -251,8 +249,8 @@ def main(argv=None) -> int:
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for line in runner.runner.kernel_report().splitlines():
-        print(f"kernels: {line}", file=sys.stderr)
+    for line in runner.runner.backend_report().splitlines():
+        print(line if line.startswith("backend:") else f"  kernel {line}", file=sys.stderr)
 
     single = len(requests) == 1
     texts = {r.request_id: [] for r in requests}

@@ -29,26 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import TINY, init_params, panel
+from backends.cpu import build, ops as panel
+from bench.common import BENCH, busy, median_time, serve
+from model import init_params
 from runner import InferenceRunner, ModelRunner, Request
 
 # About 290M parameters in all, 89M active per token (2 of 8 experts): the issue's benchmark config.
-BENCH = dataclasses.replace(
-    TINY, vocab_size=32768, emb_size=512, key_size=64, num_q_heads=8, num_kv_heads=2, num_layers=8,
-    widening_factor=8, num_experts=8, num_selected_experts=2, sequence_len=2048,
-    embedding_multiplier_scale=512 ** 0.5, attn_output_multiplier=64 ** -0.5, fprop_dtype="float32")
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 # ---- the machine's limits --------------------------------------------------------------------
 class LimitsProbe:
     """The machine's limits: read bandwidth, as a decode step uses it (weights are read, not
@@ -66,7 +52,7 @@ class LimitsProbe:
         self.vec = jnp.ones((1, 8192), jnp.float32)
         self.sum = jax.jit(jnp.sum)
         self.mv = jax.jit(lambda v, w: v @ w)
-        self.panels = jax.device_put(panel.pack(np.ones((8192, 8192), np.float32))) if panel.available() else None
+        self.panels = jax.device_put(panel.pack(np.ones((8192, 8192), np.float32))) if build.available() else None
         self.pm = jax.jit(lambda v, w: panel.panel_matmul(v, w, 8192))
         self.a = jnp.ones((2048, 2048), jnp.float32)
         self.mm = jax.jit(lambda p, q: p @ q)
@@ -134,39 +120,10 @@ def decode_roofline(config, batch: int, context: int, limits: dict) -> dict:
 
 
 # ---- serving ---------------------------------------------------------------------------------
-def serve(runner: InferenceRunner, batch: int, prompt_len: int, new_tokens: int, seed: int) -> dict:
-    """Submit ``batch`` requests at once and time their tokens.
-
-    TPOT is per request, first token excluded, as served: it includes the decode steps a request
-    waits while later requests are prefilled (one at a time). Steady decode is the batch's own
-    rate once every slot decodes: tokens emitted between the last request's first token and the
-    first request's last token, over that time.
-    """
-    rng = np.random.default_rng(seed)
-    requests = [Request(rng.integers(4, runner.config.vocab_size, prompt_len).tolist(), temperature=0.0,
-                        max_len=new_tokens, stop_token_ids=()) for _ in range(batch)]
-    submitted = time.perf_counter()
-    first, last, times = {}, {}, []
-    for event in runner.run(requests):
-        now = time.perf_counter()
-        first.setdefault(event.request_id, now)
-        last[event.request_id] = now
-        if event.token_id is not None:
-            times.append(now)
-    end = time.perf_counter()
-    ttft = [first[r.request_id] - submitted for r in requests]
-    tpot = [(last[r.request_id] - first[r.request_id]) / max(new_tokens - 1, 1) for r in requests]
-    start, stop = max(first.values()), min(last.values())
-    steady = sum(start < t <= stop for t in times) / (stop - start) if stop > start else float("nan")
-    return {"ttft": statistics.median(ttft), "tpot": statistics.median(tpot), "decode_tokens_per_s": steady,
-            "output_tokens_per_s": len(times) / (end - submitted)}
-
-
 def interleaved_steps(params, config, batches, context: int, steps: int, rounds: int) -> dict[int, float]:
     """Median seconds of one decode step at each batch size, every slot busy at ``context``, the
     batch sizes taking turns call by call: a ratio between two rows of the serving table compares
     two moments of the host's bandwidth, this one compares the same moment."""
-    from bench.kv import busy  # bench.kv imports this module
 
     engines, steps_fn, states, times = {}, {}, {}, {b: [] for b in batches}
     for b in batches:

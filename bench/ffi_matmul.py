@@ -10,7 +10,7 @@ XLA's own dot on the benchmark config's matmul shapes, both weight layouts: ``NN
 ``w [K, N]``) and ``NT`` (``x @ w.T``, ``w [N, K]``). Each call runs a chain of distinct weight
 matrices (each step depends on the last, as the layers of a decode step do), so the weights come
 from memory; the figure is weight bytes per second. Beside them, ``panels``: the runner's kernel
-(``model/panel.py``), the same register blocking over weights packed in column panels, which it
+(``backends/cpu/ops.py``), the same register blocking over weights packed in column panels, which it
 reads front to back. The plain-layout kernel here is the experiment that led to it; the runner
 does not use it. Skips (exit 0, saying why) without a C++ compiler.
 """
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.__main__ import median_time
-from model import panel
+from backends.cpu import build, ops as panel
+from bench.common import median_time
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ffi_matmul.cc")
 # (K, N, matrices per chain): an expert's up and down projections and the tied unembedding of
@@ -92,7 +92,7 @@ def main(argv=None):
     variants = {"XLA NN": (lambda x, w, n: x @ w, "NN"), "XLA NT": (lambda x, w, n: x @ w.T, "NT"),
                 "kernel NN": (lambda x, w, n: kernel_matmul(x, w, False), "NN"),
                 "kernel NT": (lambda x, w, n: kernel_matmul(x, w, True), "NT")}
-    if panel.available():
+    if build.available():
         variants["panels"] = (panel.panel_matmul, "panels")
     rows = []
     print(f"{os.cpu_count()} cores, jax {jax.__version__}; GB/s of weights, median of {args.repeats}")

@@ -4,8 +4,8 @@
 
 On the benchmark config of ``python -m bench`` (emb 512, 8 layers, 8 experts top-2, fp32): a
 100-token prompt, 64 new tokens, greedy, at batch 1 and 8, on three runners each: the default
-(``expert_panels`` and ``sampler_kernel`` None: each kernel where runner/calibration.py measured
-it faster), every kernel (True) and XLA's ops only (False). The paths take turns row by row for
+(``backend="auto"``: each kernel where backends/cpu/calibration.py measured it faster), every
+kernel (``"cpu"``) and XLA's ops only (``"xla"``). The paths take turns row by row for
 ``--cycles`` cycles, so each comparison is of one moment of the host. Beside them, the probe of the
 issue: one, 8 and 128 rows times a 256 MB weight on the panel kernel and on XLA's dot; and the
 startup of ``python run.py`` on the shipped model from empty caches (kernel build, calibration
@@ -13,12 +13,14 @@ and compilation), with the kernel cache filled, and with both caches warm.
 
 The CPU is printed first (model, AVX-512 or not); the kernels are built for this CPU unless
 ``GROK_RUNNER_KERNEL_MARCH`` names another target (``x86-64-v3``: the AVX2 variants). The script
-runs on older code too (without ``kernel_report``), to measure before and after in one session.
+runs on older code too (``expert_panels``/``sampler_kernel`` None, True, False before the
+``backend`` setting), to measure before and after in one session.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -31,24 +33,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.__main__ import BENCH, serve
-from model import init_params, panel
+from backends.cpu import build, ops as panel
+from bench.common import BENCH, serve
+from model import init_params
 from runner import InferenceRunner, ModelRunner
 
-PATHS = (("default", None), ("kernels", True), ("xla", False))
+PATHS = (("default", "auto"), ("kernels", "cpu"), ("xla", "xla"))
+OLD_SETTINGS = {"auto": None, "cpu": True, "xla": False}  # before ModelRunner(backend=...)
+
+
+def model_runner(setting: str, **kwargs) -> ModelRunner:
+    if "backend" in {f.name for f in dataclasses.fields(ModelRunner)}:
+        return ModelRunner(backend=setting, **kwargs)
+    old = OLD_SETTINGS[setting]
+    return ModelRunner(expert_panels=old, sampler_kernel=old, **kwargs)
 PROMPT, NEW_TOKENS = 100, 64
-
-
-def cpu() -> str:
-    """The CPU's model name and its widest vector extension."""
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{name}, {isa}"
 
 
 def matmul_probe(repeats: int = 7) -> list[dict]:
@@ -94,8 +93,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="bench/kernels.json")
     parser.add_argument("--no-startup", action="store_true")
     args = parser.parse_args(argv)
-    if not panel.available():
-        print(f"no kernels to compare: {panel.unavailable_reason()}")
+    if not build.available():
+        print(f"no kernels to compare: {build.unavailable_reason()}")
         return
     results = {"cpu": cpu(), "march": os.environ.get("GROK_RUNNER_KERNEL_MARCH", "native"), "rows": []}
     print(f"CPU: {results['cpu']}; kernels built for -march={results['march']}; jax {jax.__version__}")
@@ -108,12 +107,11 @@ def main(argv=None) -> None:
     runners = {}
     for name, setting in PATHS:
         for batch in (1, 8):
-            runner = InferenceRunner(runner=ModelRunner(model=BENCH, params=params, expert_panels=setting,
-                                                        sampler_kernel=setting),
+            runner = InferenceRunner(runner=model_runner(setting, model=BENCH, params=params),
                                      batch_size=batch, pad_sizes=(128,))
             runner.initialize()
             runners[name, batch] = runner
-            report = getattr(runner.runner, "kernel_report", None)
+            report = getattr(runner.runner, "backend_report", None) or getattr(runner.runner, "kernel_report", None)
             if report is not None and name == "default":
                 print(f"default at batch {batch}:\n  " + report().replace("\n", "\n  "))
     for cycle in range(args.cycles):

@@ -17,21 +17,9 @@ import time
 import jax
 import numpy as np
 
-from bench.__main__ import BENCH
+from bench.common import BENCH, busy
 from model import init_params
 from runner import ModelRunner
-
-
-def busy(engine, state, position: int, tokens: np.ndarray):
-    """``state`` with every slot active at ``position``, its next input ``tokens[slot]``: a decode
-    step from it attends over ``position + 1`` positions. Tokens that differ by row route rows to
-    different experts, as in serving (identical rows would all read the same two). A step donates
-    its state and moves it on, so timing loops call this again before every step."""
-    sh, b = engine._state_shardings, len(tokens)
-    return state.replace(
-        memory=state.memory.replace(step=jax.device_put(np.full((b,), position, np.int32), sh.memory.step)),
-        active=jax.device_put(np.ones((b,), bool), sh.active), tokens=jax.device_put(tokens, sh.tokens),
-        remaining=jax.device_put(np.full((b,), 10**6, np.int32), sh.remaining))
 
 
 def main(argv=None):

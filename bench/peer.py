@@ -97,7 +97,7 @@ def measure(config, batches=(1, 8), prompt_len: int = 128, new_tokens: int = 32,
 
 
 def main(argv=None):
-    from bench.__main__ import BENCH
+    from bench.common import BENCH
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,8")

@@ -176,7 +176,7 @@ def main(argv=None) -> None:
         if not peer.available() or importlib.util.find_spec("accelerate") is None:  # transformers serve needs it
             parser.error("--peer needs torch, transformers and accelerate: pip install -e '.[bench]'")
 
-    from bench.kernels import cpu
+    from bench.common import cpu
     from runner import InferenceRunner, ModelRunner, Request
     from runner.runner import default_checkpoint
 
@@ -191,7 +191,7 @@ def main(argv=None) -> None:
 
         import jax
 
-        from bench.__main__ import BENCH
+        from bench.common import BENCH
         from checkpoints.native import save
         from model import init_params
 

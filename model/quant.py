@@ -37,6 +37,11 @@ class QuantizedWeight8bit:
     def num_groups(self) -> int:
         return self.scales.shape[-2]
 
+    def astype(self, dtype) -> jax.Array:
+        """The weight's value in ``dtype`` (``dequantize``): a backend treats a float weight and an
+        int8 one alike, ``w.astype(dtype)``, without knowing this type."""
+        return dequantize(self, dtype)
+
 
 def is_quantized(w) -> bool:
     return isinstance(w, QuantizedWeight8bit)

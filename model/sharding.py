@@ -22,8 +22,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from model.experts import ExpertWeights
-from model.panel import PanelTable, PanelWeight
 from model.quant import QuantizedWeight8bit
 
 MESH_AXES = ("data", "model")
@@ -121,29 +119,13 @@ def param_specs(params, rules: dict | None = None, mesh: Mesh | None = None):
     """PartitionSpecs shaped like ``params`` (arrays or ShapeDtypeStructs, int8 or float).
 
     With ``mesh``, every dimension is checked against its mesh axes and quantisation scale groups
-    that the mesh does not divide are replicated. An ``ExpertWeights`` gives each expert the spec
-    of its stacked weight without the ``experts`` entry.
+    that the mesh does not divide are replicated. ``params`` is the canonical pytree: a backend's
+    own layout (``backends``) is derived after placement and never sharded by these rules.
     """
     rules = DEFAULT_RULES if rules is None else rules
 
-    def one_device(name):
-        """Panels are for the CPU kernel, which runs on one device (the runner packs on no other mesh)."""
-        if mesh is not None and mesh.size > 1:
-            raise ValueError(f"{name}: held in panels for the CPU kernel, which runs on one device; "
-                             f"the mesh has {mesh.size}")
-        return P()
-
     def leaf_spec(name, axes, leaf):
-        if isinstance(leaf, (PanelTable, PanelWeight)):
-            return leaf.replace(panels=one_device(name))
         spec = spec_for(axes, rules)
-        if isinstance(leaf, ExpertWeights):
-            if spec[0] is not None:
-                raise ValueError(f"{name}: split per expert, so its experts axis cannot be sharded "
-                                 f"(rules map 'experts' to {spec[0]!r}); keep the weight stacked")
-            one = axes[1:][::-1] if leaf.transposed else axes[1:]
-            return ExpertWeights(tuple(leaf_spec(f"{name}/{e}", one, w) for e, w in enumerate(leaf.experts)),
-                                 transposed=leaf.transposed)
         if not isinstance(leaf, QuantizedWeight8bit):
             if mesh is not None:
                 check_divisible(name, leaf.shape, spec, mesh)
@@ -161,7 +143,7 @@ def param_specs(params, rules: dict | None = None, mesh: Mesh | None = None):
         return leaf_spec(name, logical_axes(name), leaf)
 
     return jax.tree_util.tree_map_with_path(
-        spec_at, params, is_leaf=lambda x: isinstance(x, (QuantizedWeight8bit, ExpertWeights, PanelWeight, PanelTable)))
+        spec_at, params, is_leaf=lambda x: isinstance(x, QuantizedWeight8bit))
 
 
 def param_shardings(params, mesh: Mesh, rules: dict | None = None):

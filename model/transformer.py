@@ -17,10 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
-from model.layers import RESIDUAL, DecoderLayer, RMSNorm
+from model.layers import DEFAULT_BACKEND, RESIDUAL, DecoderLayer, RMSNorm, held_in_layout
 from model.memory import KVMemory
-from model.panel import PanelTable
-from model.quant import dequantize
 from model.sharding import constrain
 
 
@@ -37,11 +35,8 @@ class InOutEmbed(nn.Module):
     emb_size: int
 
     def setup(self):
-        held = self.get_variable("params", "embeddings") if self.has_variable("params", "embeddings") else None
-        if isinstance(held, PanelTable):  # the runner's CPU layout; Flax's shape check sees arrays only
-            if held.shape != (self.vocab_size, self.emb_size):
-                raise ValueError(f"{self.scope.path_text}/embeddings: panels hold a {held.shape} table, "
-                                 f"the config needs {(self.vocab_size, self.emb_size)}")
+        held = held_in_layout(self, "embeddings", (self.vocab_size, self.emb_size))
+        if held is not None:
             self.embeddings = held
         else:
             self.embeddings = self.param(
@@ -52,6 +47,7 @@ class LanguageModelHead(nn.Module):
     """Grok-1's ``language_model`` scope: the embedding table and the final norm."""
 
     config: ModelConfig
+    backend: object = DEFAULT_BACKEND
 
     def setup(self):
         self.in_out_embed = InOutEmbed(self.config.vocab_size, self.config.emb_size)
@@ -59,30 +55,23 @@ class LanguageModelHead(nn.Module):
 
     def embed(self, tokens_BT):
         c = self.config
-        table_VD = self.in_out_embed.embeddings
-        # Grok-1: look up in the stored dtype, cast, then scale by sqrt(D) in the activation dtype.
-        if isinstance(table_VD, PanelTable):
-            x_BTD = table_VD.lookup(tokens_BT).astype(c.dtype)
-        else:
-            x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(c.dtype)
-        return constrain(x_BTD * jnp.asarray(c.embedding_multiplier_scale, c.dtype), RESIDUAL)
+        # Grok-1 (the published code, as its bf16 outputs show): the float32 rows times the
+        # multiplier held in the activation dtype, rounded to that dtype after the product.
+        x_BTD = self.backend.embed(self.in_out_embed.embeddings, tokens_BT, jnp.float32)
+        x_BTD = (x_BTD * jnp.asarray(c.embedding_multiplier_scale, c.dtype)).astype(c.dtype)
+        return constrain(x_BTD, RESIDUAL)
 
     def unembed(self, h_BTD):
         c = self.config
         h_BTD = self.rms_norm(h_BTD)
-        table_VD = self.in_out_embed.embeddings
-        if isinstance(table_VD, PanelTable):
-            logits_BTV = table_VD.unembed(h_BTD).astype(c.dtype)
-        else:
-            logits_BTV = jnp.einsum("BTD,VD->BTV", h_BTD, dequantize(table_VD, c.dtype))
+        logits_BTV = self.backend.unembed(h_BTD, self.in_out_embed.embeddings, c.dtype)
         logits_BTV = constrain(logits_BTV, ("batch", "seq", "act_vocab"))
         return (logits_BTV * c.output_multiplier_scale).astype(jnp.float32)
 
 
 class Transformer(nn.Module):
     config: ModelConfig
-    moe_impl: str = "auto"
-    attention_kernel: bool = False
+    backend: object = DEFAULT_BACKEND
 
     @nn.compact
     def __call__(self, h_BTD, *, positions_BT, mask_BTS, memory: KVMemory | None):
@@ -90,8 +79,7 @@ class Transformer(nn.Module):
         for i in range(self.config.num_layers):
             cache = None if memory is None else (memory.k[i], memory.v[i])
             with jax.named_scope(f"decoder_layer_{i}"):
-                h_BTD, cache = DecoderLayer(self.config, self.moe_impl, self.attention_kernel,
-                                             name=f"decoder_layer_{i}")(
+                h_BTD, cache = DecoderLayer(self.config, self.backend, name=f"decoder_layer_{i}")(
                     h_BTD, positions_BT=positions_BT, mask_BTS=mask_BTS, cache=cache)
             if cache is not None:
                 new_k.append(cache[0])
@@ -122,11 +110,12 @@ def attention_mask(tokens_BT, lengths_B, pad_token: int, step_B=None, sequence_l
 
 
 class LanguageModel(nn.Module):
-    """Grok-1: scaled embedding -> decoder layers -> final norm -> tied unembedding x 0.577."""
+    """Grok-1: scaled embedding -> decoder layers -> final norm -> tied unembedding x 0.577.
+    ``backend`` (a ``backends.Backend``) runs the matmuls, the MoE's grouped matmuls and the
+    attention; its parameters are the canonical ones or those of its ``prepare``."""
 
     config: ModelConfig
-    moe_impl: str = "auto"
-    attention_kernel: bool = False  # decode attention on the CPU kernel (model/panel.py)
+    backend: object = DEFAULT_BACKEND
 
     @nn.compact
     def __call__(self, tokens_BT, memory: KVMemory | None = None, lengths_B=None,
@@ -147,9 +136,9 @@ class LanguageModel(nn.Module):
         mask_BTS = attention_mask(tokens_BT, lengths_B, c.pad_token, step_B,
                                   None if memory is None else kv_len or memory.sequence_len)
 
-        head = LanguageModelHead(c, name="language_model")
+        head = LanguageModelHead(c, self.backend, name="language_model")
         h_BTD = head.embed(tokens_BT)
-        h_BTD, (k, v) = Transformer(c, self.moe_impl, self.attention_kernel, name="transformer")(
+        h_BTD, (k, v) = Transformer(c, self.backend, name="transformer")(
             h_BTD, positions_BT=positions_BT, mask_BTS=mask_BTS, memory=memory)
         if last_only:
             # Only the last real token's hidden state is unembedded (prefill): [B, 1, D].
@@ -161,11 +150,12 @@ class LanguageModel(nn.Module):
 
 
 def forward(params, tokens, config: ModelConfig, *, memory: KVMemory | None = None, lengths=None,
-            last_only: bool = False, moe_impl: str = "auto", kv_len: int | None = None) -> ForwardOutput:
+            last_only: bool = False, backend=DEFAULT_BACKEND, kv_len: int | None = None) -> ForwardOutput:
     """Logits for ``tokens [B, T]``; with ``memory``, also the updated memory.
 
     ``lengths [B]`` is each row's number of real tokens (right padding beyond it is masked and, with
-    memory, does not advance ``step``). Outside ``jit`` a write past ``sequence_len`` raises
+    memory, does not advance ``step``). ``backend``: a ``backends.Backend`` (default: pure XLA), with
+    ``params`` canonical or from its ``prepare``. Outside ``jit`` a write past ``sequence_len`` raises
     ``ValueError`` here, before anything runs.
     """
     tokens = jnp.asarray(tokens)
@@ -182,14 +172,13 @@ def forward(params, tokens, config: ModelConfig, *, memory: KVMemory | None = No
         if kv_len is not None and not 0 < kv_len <= memory.sequence_len:
             raise ValueError(f"forward: kv_len must be in (0, {memory.sequence_len}], got {kv_len}")
     return _apply(params, tokens, memory, lengths, config=config, last_only=last_only,
-                  moe_impl=moe_impl, kv_len=kv_len)
+                  backend=backend, kv_len=kv_len)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "last_only", "moe_impl", "kv_len"))
-def _apply(params, tokens, memory, lengths, *, config, last_only, moe_impl, kv_len):
+@functools.partial(jax.jit, static_argnames=("config", "last_only", "backend", "kv_len"))
+def _apply(params, tokens, memory, lengths, *, config, last_only, backend, kv_len):
     # Jitted so that eager callers do not dispatch op by op; inside a caller's jit it simply inlines.
-    return LanguageModel(config, moe_impl).apply({"params": params}, tokens, memory, lengths, last_only,
-                                                 kv_len)
+    return LanguageModel(config, backend).apply({"params": params}, tokens, memory, lengths, last_only, kv_len)
 
 
 def init_params(config: ModelConfig, rng) -> dict:

@@ -11,7 +11,7 @@
   the first ``kv_len`` cache positions only; compiled once per KV-length bucket.
 
 The step functions themselves, ``prefill`` and ``decode``, are pure and at module level; this
-class places the parameters, chooses the CPU kernels and jits them. The decode state
+class places the parameters, chooses the backend (``runner.selection``) and jits them. The decode state
 (``runner/state.py``) is one pytree donated to every call, so XLA updates it in place. All shardings are derived from
 the rules in ``model/sharding.py``; sampled outputs are replicated so every host can read them.
 """
@@ -27,15 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from model import panel
 from model.config import ModelConfig
-from model.experts import moe_weight_dtypes, split_experts
 from model.memory import KVMemory, new_memory
 from model.sharding import (DEFAULT_RULES, activation_sharding, make_mesh, memory_specs, param_shardings,
                             spec_for)
 from model.transformer import LanguageModel
-from runner import calibration
 from runner.sampling import SampleOutput, SampleSettings, sample_token
+from runner.selection import BACKENDS, Selection, choose, start
 from runner.state import MAX_STOP_IDS, DecodeOutput, DecodeState, PrefillArgs
 
 log = logging.getLogger("grok_runner")
@@ -59,35 +57,23 @@ class ModelRunner:
     # dequantised once at load: XLA:CPU runs bf16/int8 matmuls 20-40x slower than fp32 (DESIGN.md).
     dtype: str | None = None
     dequantize: bool | None = None  # int8 -> float at load; default: on CPU only
-    moe_impl: str = "auto"
-    # Hold each MoE weight as one buffer per expert (model/experts.py), so decode reads only the
-    # selected experts, in place. Default: on CPU, when the rules do not shard the experts axis.
-    split_experts: bool | None = None
-    # The CPU kernels of model/panel.py, on one CPU device with float32 activations: the experts,
-    # attention projections and tied embedding in column panels with decode attention read in
-    # place (``expert_panels``), and the sampler's top-k/top-p cut and summary (``sampler_kernel``).
-    # Default (None): each operation on its kernel only where runner/calibration.py measured it
-    # faster than XLA's op on this CPU, at this model's shapes. True insists on every kernel of
-    # the group (ValueError if not possible), False keeps XLA's ops.
-    expert_panels: bool | None = None
-    sampler_kernel: bool | None = None
+    # Where the operations run (backends/): "xla" (pure JAX, any mesh), "cpu" (one CPU device, every
+    # C++ kernel; ValueError where it cannot run), or "auto": the CPU backend on one CPU device
+    # with each kernel taken only where measured faster than XLA's op on this CPU, XLA elsewhere.
+    backend: str = "auto"
     # Prompt tokens per prefill call and cache positions per decode step that the calibration
     # times the kernels at (default: 256 of each, or sequence_len if shorter).
     calibration_tokens: int | None = None
     tokenizer_path: str | None = dataclasses.field(default=None, init=False)
-    # What initialize chose: operation -> calibration.Choice (why it is or is not on its kernel)
-    kernels: dict = dataclasses.field(default_factory=dict, init=False)
-
-    @property
-    def sample_on_kernel(self) -> bool:
-        return self.kernels.get("sampling_cut") is not None and self.kernels["sampling_cut"].kernel
+    # What initialize chose: the backend, why, and each CPU kernel's Choice (runner.selection.Selection)
+    selection: Selection | None = dataclasses.field(default=None, init=False)
 
     def initialize(self, mesh: Mesh | None = None, batch_size: int | None = None) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"ModelRunner.backend must be one of {BACKENDS}, got {self.backend!r}")
         self.mesh = mesh or self.mesh or make_mesh((1, 1), jax.devices()[:1])
         self.rules = DEFAULT_RULES if self.rules is None else self.rules
-        one_cpu = self.mesh.size == 1 and self.mesh.devices.flat[0].platform == "cpu"
-        if one_cpu and (self.expert_panels is not False or self.sampler_kernel is not False):
-            panel.prebuild()  # the compiler runs while the checkpoint is restored
+        start(self.backend, self.mesh)  # the kernels' compiler runs while the checkpoint is restored
         if self.params is None:
             self._restore()
         elif self.model is None:
@@ -98,72 +84,19 @@ class ModelRunner:
         data = self.mesh.shape["data"]
         if self.batch_size % data:
             raise ValueError(f"batch_size {self.batch_size} is not divisible by the mesh's data axis ({data})")
-        split = self.split_experts
-        if split is None:
-            split = self.mesh.devices.flat[0].platform == "cpu" and self.rules.get("experts") is None
-        if self.expert_panels and not split:
-            raise ValueError("expert_panels=True needs the experts split (split_experts is False, or the "
-                             "rules shard the experts axis)")
-        self.kernels = self._choose_kernels(split)
-        on = {op for op, choice in self.kernels.items() if choice.kernel}
-        for choice in self.kernels.values():
-            log.info("kernels: %s", choice.describe())
-        if split:
-            self.params = split_experts(self.params, panels="moe" in on)
-        self.params = panel.pack_params(self.params, embedding="unembed" in on, attention="projections" in on)
+        self.selection = choose(self.backend, self.mesh, self.model, self.params, self.batch_size,
+                                        self.calibration_tokens)
+        for line in self.selection.report().splitlines():
+            log.info("%s", line)
+        # shardings of the canonical parameters; the backend's layout is derived from them in place
         self.param_shardings = param_shardings(self.params, self.mesh, self.rules)
-        self.params = jax.device_put(self.params, self.param_shardings)
+        self.params = self.selection.backend.prepare(jax.device_put(self.params, self.param_shardings))
         self._build()
 
-    def kernel_report(self) -> str:
-        """One line per operation: on its kernel or XLA's, and the measured ratio or the reason."""
-        return "\n".join(choice.describe() for choice in self.kernels.values())
-
-    def _choose_kernels(self, split: bool) -> dict[str, calibration.Choice]:
-        """A ``calibration.Choice`` for every kernel operation: forced, declined with the reason,
-        or measured against XLA's op on this CPU."""
-        platform = self.mesh.devices.flat[0].platform
-        common = []
-        if platform != "cpu" or self.mesh.size != 1:
-            common.append(f"it runs on one CPU device (the mesh has {self.mesh.size} {platform} devices)")
-        weights = list(common)
-        if jnp.dtype(self.model.fprop_dtype) != jnp.float32:
-            weights.append(f"it is float32 (activations are {self.model.fprop_dtype})")
-        if self.expert_panels:  # only float32 experts are packed; insisting with others would pack nothing
-            held = sorted(moe_weight_dtypes(self.params) - {"float32"})
-            if held:
-                weights.append(f"it takes float32 experts, and these are {', '.join(held)} (dequantize=True "
-                               f"converts int8 at load)")
-        if not common and (self.expert_panels is not False or self.sampler_kernel is not False) and not panel.available():
-            common.append(panel.unavailable_reason())
-            weights.append(common[-1])
-        groups = [(calibration.WEIGHT_OPERATIONS, self.expert_panels, weights, "expert_panels", "panel kernel"),
-                  (calibration.SAMPLING_OPERATIONS, self.sampler_kernel, common, "sampler_kernel", "sampling kernel")]
-        choices, to_measure = {}, []
-        for operations, insist, why_not, flag, what in groups:
-            if insist and why_not:
-                raise ValueError(f"{flag}=True, but the {what} cannot be used: " + "; ".join(why_not))
-            for op in operations:
-                if insist is False:
-                    choices[op] = calibration.Choice(op, False, reason=f"{flag}=False")
-                elif why_not:
-                    choices[op] = calibration.Choice(op, False, reason="the kernel needs " + "; ".join(why_not))
-                elif insist:
-                    choices[op] = calibration.Choice(op, True, reason=f"{flag}=True")
-                else:
-                    to_measure.append(op)
-        c = self.model
-        if "moe" in to_measure and (not split or moe_weight_dtypes(self.params) - {"float32"}):
-            to_measure.remove("moe")
-            choices["moe"] = calibration.Choice("moe", False, reason="the experts are not float32 and split")
-        if "attention" in to_measure and not panel.decode_attention_fits(c.num_q_heads, c.num_kv_heads, c.key_size):
-            to_measure.remove("attention")
-            choices["attention"] = calibration.Choice("attention", False, reason=(
-                f"the kernel takes head sizes up to {panel.MAX_HEAD} and {panel.MAX_GROUP} query heads a KV head"))
-        if to_measure:
-            tokens = self.calibration_tokens or min(256, c.sequence_len)
-            choices.update(calibration.calibrate(to_measure, c, self.batch_size, tokens, tokens))
-        return {op: choices[op] for op in calibration.OPERATIONS}
+    def backend_report(self) -> str:
+        """The backend and why; for the CPU backend one line per kernel: taken or XLA's op, and the
+        measured ratio or the reason."""
+        return self.selection.report()
 
     def _restore(self) -> None:
         from checkpoints import restore
@@ -200,13 +133,15 @@ class ModelRunner:
     # ---- the four functions ------------------------------------------------------------------
     def _build(self) -> None:
         config, b = self.model, self.batch_size
-        module = LanguageModel(config, self.moe_impl, attention_kernel=self.kernels["attention"].kernel)
+        backend = self.selection.backend
+        module = LanguageModel(config, backend)
 
         def apply(*args):
             with activation_sharding(self.mesh, self.rules):  # active while tracing only
                 return module.apply(*args)
 
-        sampler = (self.kernels["sampling_cut"].kernel, self.kernels["logits_summary"].kernel)
+        sampler = backend
+        params_sh = jax.tree_util.tree_map(lambda a: a.sharding, self.params)  # the backend's layout, placed
         abstract_memory = jax.eval_shape(lambda: new_memory(config, b))
         state_sh = self.state_shardings(abstract_memory)
         replicated = self._named(P())
@@ -220,17 +155,17 @@ class ModelRunner:
 
         scalars = jax.tree_util.tree_map(lambda _: replicated, PrefillArgs(*range(10)))
         decode_sh = DecodeOutput(out_sh, replicated)
-        self.forward = jax.jit(forward, in_shardings=(self.param_shardings, None, None))
+        self.forward = jax.jit(forward, in_shardings=(params_sh, None, None))
         self.new_memory = jax.jit(_new_memory, out_shardings=state_sh.memory)
         # One jitted function per static setting (KV length, or KV length x steps), each with
         # explicit shardings; made on first use, which warm-up does for every bucket.
         self.prefill_memory = _PerStatic(lambda kv_len: jax.jit(
             functools.partial(prefill, apply, sampler, kv_len=kv_len),
-            in_shardings=(self.param_shardings, state_sh, scalars),
+            in_shardings=(params_sh, state_sh, scalars),
             out_shardings=(state_sh, out_sh), donate_argnums=1))
         self.sample_step = _PerStatic(lambda kv_len, steps: jax.jit(
             functools.partial(decode, apply, sampler, kv_len=kv_len, steps=steps),
-            in_shardings=(self.param_shardings, state_sh), out_shardings=(state_sh, decode_sh), donate_argnums=1))
+            in_shardings=(params_sh, state_sh), out_shardings=(state_sh, decode_sh), donate_argnums=1))
         self.release_slot = jax.jit(DecodeState.release, in_shardings=(state_sh, replicated),
                                     out_shardings=state_sh, donate_argnums=0)
         self._state_shardings = state_sh
@@ -255,7 +190,7 @@ class ModelRunner:
 def prefill(apply, sampler, params, state: DecodeState, args: PrefillArgs, kv_len: int):
     """One prompt chunk of one request into its slot of ``state``, and its first token sampled.
     ``apply(variables, tokens, memory, lengths, last_only, kv_len)`` is the model; ``sampler`` the
-    (cut, summary) kernel flags of ``sample_token``. Pure: jitted with ``state`` donated."""
+    backend that ``sample_token`` cuts and summarises on. Pure: jitted with ``state`` donated."""
     row = state.memory.row(args.slot)
     row = row.replace(step=jnp.where(args.reset, 0, row.step))
     out = apply({"params": params}, args.tokens, row, args.length[None], True, kv_len)
@@ -263,7 +198,7 @@ def prefill(apply, sampler, params, state: DecodeState, args: PrefillArgs, kv_le
     key, sample_key = jax.random.split(jax.random.PRNGKey(args.seed))
     settings = SampleSettings(temperature=args.temperature[None], nucleus_p=args.nucleus_p[None],
                               top_k=args.top_k[None])
-    first = sample_token(out.logits[:, -1], settings, sample_key[None], *sampler)
+    first = sample_token(out.logits[:, -1], settings, sample_key[None], sampler)
     return state.insert(args, state.memory.with_row(args.slot, out.memory), first, key), first
 
 
@@ -276,7 +211,7 @@ def decode(apply, sampler, params, state: DecodeState, kv_len: int, steps: int):
         valid = state.active
         lengths = valid.astype(jnp.int32)  # free and finished slots do not advance
         out = apply({"params": params}, state.tokens[:, None], state.memory, lengths, False, kv_len)
-        sample = sample_token(out.logits[:, 0], state.settings, sample_keys, *sampler)
+        sample = sample_token(out.logits[:, 0], state.settings, sample_keys, sampler)
         tokens = jnp.where(valid, sample.token_id, state.tokens)
         remaining = state.remaining - lengths
         stopped = jnp.any(tokens[:, None] == state.stop_ids, axis=1)

@@ -1,5 +1,5 @@
-"""Which kernels a runner takes (runner/calibration.py): a kernel measured slower is never taken,
-the measurement is cached, insisting skips it, and the AVX2 build of the kernels is correct."""
+"""Which kernels a runner takes (backends/cpu/calibration.py): a kernel measured slower is never
+taken, the measurement is cached, naming a backend skips it, and the AVX2 build is correct."""
 
 import json
 import os
@@ -11,19 +11,20 @@ import jax
 import numpy as np
 import pytest
 
-from model import TINY, panel
-from model.experts import ExpertWeights
-from runner import ModelRunner, calibration
-from runner.calibration import Measurement
+from backends.cpu import OPERATIONS, build, calibration, ops as panel
+from backends.cpu.calibration import Measurement
+from backends.cpu.layout import ExpertWeights
+from model import TINY
+from runner import ModelRunner
 
-needs_kernel = pytest.mark.skipif(not panel.available(), reason=f"panel kernel: {panel.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(not build.available(), reason=f"CPU kernels: {build.unavailable_reason()}")
 
 
 @pytest.fixture
 def private_cache(tmp_path, monkeypatch):
     """A kernel cache of this test's own (the library is built again into it only if missing)."""
     monkeypatch.setenv("GROK_RUNNER_KERNEL_CACHE", str(tmp_path))
-    lib = panel.library_path()
+    lib = build.library_path()
     assert lib.parent == tmp_path
     return lib.with_suffix(".calibration.json")
 
@@ -52,28 +53,26 @@ def test_the_runner_declines_a_kernel_the_calibration_finds_slower(tiny_params, 
     engine = ModelRunner(model=TINY, params=tiny_params)
     engine.initialize()
     assert measure.calls == 1
-    taken = {op for op, choice in engine.kernels.items() if choice.kernel}
-    assert taken == set(calibration.OPERATIONS) - slower, engine.kernel_report()
+    assert engine.selection.backend.on == set(OPERATIONS) - slower, engine.backend_report()
     layer = engine.params["transformer"]["decoder_layer_0"]
     assert isinstance(layer["moe"]["linear"]["w"], ExpertWeights)  # XLA's layout for the slower MoE
     assert isinstance(layer["multi_head_attention"]["query"]["w"], panel.PanelWeight)  # the faster projections
     assert not isinstance(engine.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
-    assert not engine.sample_on_kernel and engine.kernels["logits_summary"].kernel
-    assert "moe: XLA (kernel speed / XLA's: decode 1 rows 0.50x, prefill 64 rows 0.50x)" in engine.kernel_report()
+    assert "moe: XLA (kernel speed / XLA's: decode 1 rows 0.50x, prefill 64 rows 0.50x)" in engine.backend_report()
 
     # the measurement is cached beside the library: a second runner of the same shapes only reads it
     cached = json.loads(private_cache.read_text())
     assert len(cached) == 8 and all(entry["kernel_s"] > 0 for entry in cached.values())
     again = ModelRunner(model=TINY, params=tiny_params)
     again.initialize()
-    assert measure.calls == 1 and again.kernel_report() == engine.kernel_report()
+    assert measure.calls == 1 and again.backend_report() == engine.backend_report()
     # another batch size is another shape: measured once more
     ModelRunner(model=TINY, params=tiny_params, bs_per_device=2).initialize()
     assert measure.calls == 2
 
     # the model still computes the same with its mixed layouts
     tokens = np.array([[5, 9, 13, 2]], np.int32)
-    xla = ModelRunner(model=TINY, params=tiny_params, expert_panels=False, sampler_kernel=False)
+    xla = ModelRunner(model=TINY, params=tiny_params, backend="xla")
     xla.initialize()
     lengths = np.array([4], np.int32)
     np.testing.assert_allclose(engine.forward(engine.params, tokens, lengths),
@@ -81,25 +80,25 @@ def test_the_runner_declines_a_kernel_the_calibration_finds_slower(tiny_params, 
 
 
 @needs_kernel
-def test_insisting_or_refusing_never_measures(tiny_params, private_cache, monkeypatch):
+def test_naming_a_backend_never_measures(tiny_params, private_cache, monkeypatch):
     def measure(shapes):
-        raise AssertionError("measured although every choice was given")
+        raise AssertionError("measured although the backend was named")
 
     monkeypatch.setattr(calibration, "_measure", measure)
-    forced = ModelRunner(model=TINY, params=tiny_params, expert_panels=True, sampler_kernel=True)
+    forced = ModelRunner(model=TINY, params=tiny_params, backend="cpu")
     forced.initialize()
-    assert all(choice.kernel for choice in forced.kernels.values())
-    assert "moe: kernel (expert_panels=True)" in forced.kernel_report()
-    off = ModelRunner(model=TINY, params=tiny_params, expert_panels=False, sampler_kernel=False)
+    assert forced.selection.backend.on == set(OPERATIONS)
+    assert "moe: kernel (backend='cpu')" in forced.backend_report()
+    off = ModelRunner(model=TINY, params=tiny_params, backend="xla")
     off.initialize()
-    assert not any(choice.kernel for choice in off.kernels.values())
+    assert off.selection.choices == {} and off.selection.backend.name == "xla"
     assert not private_cache.exists()
 
 
 @needs_kernel
 def test_a_real_calibration_times_every_operation(private_cache):
-    choices = calibration.calibrate(calibration.OPERATIONS, TINY, 2, 16, 16)
-    assert list(choices) == list(calibration.OPERATIONS)
+    choices = calibration.calibrate(OPERATIONS, TINY, 2, 16, 16)
+    assert list(choices) == list(OPERATIONS)
     for op, choice in choices.items():
         assert choice.measurements and all(m.kernel_s > 0 and m.xla_s > 0 for m in choice.measurements), op
         assert choice.kernel == all(m.kernel_s < m.xla_s for m in choice.measurements)
@@ -120,8 +119,8 @@ def test_a_torn_cache_file_is_measured_again(private_cache, monkeypatch):
 
 AVX2_CHECK = """
 import jax, jax.numpy as jnp, numpy as np
-from model import panel
-assert panel.available(), panel.unavailable_reason()
+from backends.cpu import build, ops as panel
+assert build.available(), build.unavailable_reason()
 rng = np.random.default_rng(0)
 for rows in range(0, 15):
     for k, n in ((64, 96), (33, 37)):
@@ -129,7 +128,7 @@ for rows in range(0, 15):
         w = rng.standard_normal((k, n), np.float32)
         got = np.asarray(panel.panel_matmul(jnp.asarray(x), jnp.asarray(panel.pack(w)), n))
         np.testing.assert_allclose(got, x @ w, rtol=1e-4, atol=1e-4)
-print("ok", panel.library_path().name)
+print("ok", build.library_path().name)
 """
 
 

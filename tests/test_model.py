@@ -7,10 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import TINY, KVMemory, forward, init_params, new_memory, panel
-from model.experts import ExpertWeights, split_experts
-from model.layers import MoELayer, group_size, rotary_embedding
+from backends import XLA
+from backends.cpu.layout import ExpertWeights
+from backends.xla import group_rows
+from model import TINY, KVMemory, forward, init_params, new_memory
+from model.layers import MoELayer, rotary_embedding
 from model.quant import dequantize
+from tests.backends import NAMES, arranged
 from tests.test_quant import quantize_params
 
 ATOL = 1e-4
@@ -20,15 +23,15 @@ def random_tokens(seed, shape, vocab=TINY.vocab_size):
     return np.asarray(jax.random.randint(jax.random.PRNGKey(seed), shape, 1, vocab))
 
 
-def decode_all(params, tokens, prefill_len, config=TINY, batch_rows=None):
+def decode_all(params, tokens, prefill_len, config=TINY, batch_rows=None, backend=XLA()):
     """Prefill ``prefill_len`` tokens into a fresh memory, then decode the rest one at a time."""
     b, t = tokens.shape
     memory = new_memory(config, b)
-    out = forward(params, tokens[:, :prefill_len], config, memory=memory)
+    out = forward(params, tokens[:, :prefill_len], config, memory=memory, backend=backend)
     logits = [out.logits]
     memory = out.memory
     for i in range(prefill_len, t):
-        out = forward(params, tokens[:, i:i + 1], config, memory=memory)
+        out = forward(params, tokens[:, i:i + 1], config, memory=memory, backend=backend)
         logits.append(out.logits)
         memory = out.memory
     return np.concatenate([np.asarray(x) for x in logits], axis=1), memory
@@ -145,80 +148,54 @@ def slow_moe(x_MD, probs_ME, params, top):
     return out
 
 
-def arranged(params, layout):
-    """``params`` as stored ("stacked"), with the MoE split per expert, or in kernel panels (the
-    experts, and the attention projections and embedding as the runner packs them)."""
-    if layout == "panels" and not panel.available():
-        pytest.skip(f"the panel kernel is unavailable: {panel.unavailable_reason()}")
-    if layout == "panels":
-        return panel.pack_params(split_experts(params, panels=True))
-    return params if layout == "stacked" else split_experts(params)
-
-
-LAYOUTS = ["stacked", "split", "panels"]
-
-
-@pytest.mark.parametrize("impl", ["dense", "grouped", "auto"])
 @pytest.mark.parametrize("quantized", [False, True])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("experts, top", [(4, 2), (1, 1), (3, 3)])
-def test_moe_equals_per_token_loop(impl, quantized, layout, experts, top):
+def test_moe_equals_per_token_loop(quantized, name, experts, top):
     config = dataclasses.replace(TINY, num_experts=experts, num_selected_experts=top)
-    layer = MoELayer(config, impl)
     x = jax.random.normal(jax.random.PRNGKey(10), (2, 5, config.emb_size))
     probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(11), (2, 5, experts)) * 3)
-    params = layer.init(jax.random.PRNGKey(12), x, probs)["params"]
+    params = MoELayer(config).init(jax.random.PRNGKey(12), x, probs)["params"]
     if quantized:
         params = quantize_params(params, groups=4)
-    used = arranged({"moe": params}, layout)["moe"]
-    got = np.asarray(layer.apply({"params": used}, x, probs)).reshape(10, -1)
+    backend, used = arranged({"moe": params}, name)
+    got = np.asarray(MoELayer(config, backend).apply({"params": used["moe"]}, x, probs)).reshape(10, -1)
     want = slow_moe(np.asarray(x).reshape(10, -1), np.asarray(probs).reshape(10, -1), params, top)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_grouped_moe_loops_when_one_expert_gets_more_than_a_group(layout):
-    """All 40 tokens routed to experts 0 and 1: their 40 rows exceed one group (group_size rows),
-    so the on-device loop runs, and the six idle experts are skipped."""
+@pytest.mark.parametrize("name", NAMES)
+def test_grouped_moe_loops_when_one_expert_gets_more_than_a_group(name):
+    """All 40 tokens routed to experts 0 and 1: their 40 rows exceed one dot of the loop
+    (``group_rows``), so the on-device loop runs, and the six idle experts are skipped."""
     config = dataclasses.replace(TINY, num_experts=8, num_selected_experts=2)
-    assert group_size(40, config) < 40
-    layer = MoELayer(config, "grouped")
+    assert group_rows(80, 8) < 40
     x = jax.random.normal(jax.random.PRNGKey(13), (4, 10, config.emb_size))
     logits = jax.random.normal(jax.random.PRNGKey(14), (4, 10, 8)).at[..., :2].add(20.0)
     probs = jax.nn.softmax(logits)
-    params = layer.init(jax.random.PRNGKey(15), x, probs)["params"]
-    used = arranged({"moe": params}, layout)["moe"]
-    got = np.asarray(layer.apply({"params": used}, x, probs)).reshape(40, -1)
+    params = MoELayer(config).init(jax.random.PRNGKey(15), x, probs)["params"]
+    backend, used = arranged({"moe": params}, name)
+    got = np.asarray(MoELayer(config, backend).apply({"params": used["moe"]}, x, probs)).reshape(40, -1)
     want = slow_moe(np.asarray(x).reshape(40, -1), np.asarray(probs).reshape(40, -1), params, 2)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_split_expert_weights_of_the_wrong_shape_are_rejected(tiny_params):
-    split = split_experts(tiny_params)
+def test_weights_held_in_a_layout_of_the_wrong_shape_are_rejected(tiny_params):
+    backend, split = arranged(tiny_params, "cpu")
     layer = split["transformer"]["decoder_layer_0"]["moe"]["linear"]
     layer["w"] = ExpertWeights(layer["w"].experts[:-1])  # one expert short
-    with pytest.raises(ValueError, match="split expert weights have shape"):
-        forward(split, random_tokens(1, (1, 3)), TINY)
+    with pytest.raises(ValueError, match="held as ExpertWeights of shape"):
+        forward(split, random_tokens(1, (1, 3)), TINY, backend=backend)
 
 
-def test_moe_weights_partly_in_panels_are_rejected(tiny_params):
-    if not panel.available():
-        pytest.skip(f"the panel kernel is unavailable: {panel.unavailable_reason()}")
-    mixed = split_experts(tiny_params, panels=True)
-    moe = mixed["transformer"]["decoder_layer_0"]["moe"]
-    moe["linear_1"]["w"] = tiny_params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
-    with pytest.raises(ValueError, match="all or none of the expert weights"):
-        forward(mixed, random_tokens(1, (1, 3)), TINY)
-
-
-@pytest.mark.parametrize("layout", ["split", "panels"])
-def test_split_experts_give_the_same_logits_and_cache(tiny_params, layout):
+@pytest.mark.parametrize("name", NAMES)
+def test_every_backend_gives_the_same_logits_and_cache(tiny_params, name):
     tokens = random_tokens(16, (3, 7))
-    split = arranged(tiny_params, layout)
-    np.testing.assert_allclose(np.asarray(forward(split, tokens, TINY).logits),
-                               np.asarray(forward(tiny_params, tokens, TINY).logits), atol=1e-5)
-    cached, _ = decode_all(split, tokens, prefill_len=3)
-    np.testing.assert_allclose(cached, np.asarray(forward(tiny_params, tokens, TINY).logits), atol=ATOL)
+    backend, used = arranged(tiny_params, name)
+    want = np.asarray(forward(tiny_params, tokens, TINY).logits)
+    np.testing.assert_allclose(np.asarray(forward(used, tokens, TINY, backend=backend).logits), want, atol=1e-5)
+    cached, _ = decode_all(used, tokens, prefill_len=3, backend=backend)
+    np.testing.assert_allclose(cached, want, atol=ATOL)
 
 
 def test_batch_above_one_with_int8_weights(tiny_params):

@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from backends import XLA
 from model import TINY, QuantizedWeight8bit, dequantize, forward, quantize
 
 
@@ -48,7 +49,7 @@ def test_int8_weights_are_accepted_wherever_float_weights_are(tiny_params):
         lambda w: dequantize(w, jnp.float32) if isinstance(w, QuantizedWeight8bit) else w,
         qparams, is_leaf=lambda x: isinstance(x, QuantizedWeight8bit))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (3, 4), 1, TINY.vocab_size)  # batch 3
-    for impl in ("dense", "grouped"):
-        a = forward(qparams, tokens, TINY, moe_impl=impl).logits
-        b = forward(deq, tokens, TINY, moe_impl=impl).logits
+    for backend in (XLA(grouped="ragged"), XLA(grouped="loop")):
+        a = forward(qparams, tokens, TINY, backend=backend).logits
+        b = forward(deq, tokens, TINY, backend=backend).logits
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

@@ -14,6 +14,7 @@ from checkpoints.safe_pickle import CheckpointError, read_pickled_tensor
 from model import GROK_1_REFERENCE_TINY, QuantizedWeight8bit, forward, new_memory
 from model.layers import DecoderLayer
 from model.transformer import attention_mask
+from tests.backends import NAMES, arranged
 
 FP32 = dataclasses.replace(GROK_1_REFERENCE_TINY, fprop_dtype="float32")
 
@@ -63,11 +64,12 @@ def test_each_layer_matches_fp32_intermediates(reference_dir, ref_params):
         h = saved[f"L{i}_h_out"]  # teacher forcing: the next layer gets the reference's output
 
 
-@pytest.mark.parametrize("moe_impl", ["dense", "auto"])
-def test_full_forward_matches_fp32_logits(reference_dir, ref_params, moe_impl):
+@pytest.mark.parametrize("name", NAMES)
+def test_full_forward_matches_fp32_logits(reference_dir, ref_params, name):
     tokens = np.load(reference_dir / "tokens_full.npy")
     want = np.load(reference_dir / "logits_full_fprop32.npy")
-    got = np.asarray(forward(ref_params, tokens, FP32, moe_impl=moe_impl).logits)
+    backend, params = arranged(ref_params, name)
+    got = np.asarray(forward(params, tokens, FP32, backend=backend).logits)
     assert np.abs(got - want).max() < 1e-3
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
 

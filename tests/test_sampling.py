@@ -3,11 +3,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import panel
+from backends import XLA
+from backends.cpu import CPU, build, ops
 from runner.sampling import SampleSettings, argmax, filter_logits, sample_token
 
-# the top-k/top-p cut: by sorting (every backend), and by the CPU kernel where it builds
-CUTS = [False, pytest.param(True, marks=pytest.mark.skipif(not panel.available(), reason="no sampling kernel"))]
+ON_KERNELS = CPU(on=frozenset({"sampling_cut", "logits_summary"}))
+# the top-k/top-p cut: by sorting (the XLA backend), and on the CPU backend's kernel where it builds
+CUTS = [XLA(), pytest.param(ON_KERNELS, marks=pytest.mark.skipif(not build.available(), reason="no sampling kernel"))]
 
 
 def settings(b, temperature=1.0, nucleus_p=1.0, top_k=0):
@@ -26,10 +28,10 @@ def test_temperature_zero_is_exact_argmax_and_never_nan():
     assert np.isfinite(np.asarray(out.logprob)).all() and np.isfinite(np.asarray(out.top_k_probs)).all()
 
 
-@pytest.mark.parametrize("kernel", CUTS)
-def test_top_k_and_top_p_keep_the_right_sets(kernel):
+@pytest.mark.parametrize("backend", CUTS)
+def test_top_k_and_top_p_keep_the_right_sets(backend):
     logits = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1]]))
-    kept = lambda **kw: np.isfinite(np.asarray(filter_logits(logits, settings(1, **kw), kernel)))[0].tolist()  # noqa: E731
+    kept = lambda **kw: np.isfinite(np.asarray(filter_logits(logits, settings(1, **kw), backend)))[0].tolist()  # noqa: E731
     assert kept() == [True] * 4
     assert kept(top_k=2) == [True, True, False, False]
     assert kept(nucleus_p=0.5) == [True, False, False, False]  # 0.5 alone reaches p
@@ -83,13 +85,13 @@ def test_draw_is_jax_random_categorical_and_a_mixed_batch_keeps_each_rows_rule()
     np.testing.assert_array_equal(got[[1, 3]], np.asarray(jnp.argmax(logits, axis=-1))[[1, 3]])
 
 
-@pytest.mark.parametrize("kernel", CUTS)
-def test_top_p_of_one_cuts_nothing(kernel):
+@pytest.mark.parametrize("backend", CUTS)
+def test_top_p_of_one_cuts_nothing(backend):
     """p = 1 is off: float32's running sum of the probabilities reaches 1 long before the tail."""
     logits = -jnp.array([[0.0] + list(range(20, 29))])  # all but the first have probability < 3e-9
-    kept = np.isfinite(np.asarray(filter_logits(logits, settings(1, top_k=3), kernel)))[0]
+    kept = np.isfinite(np.asarray(filter_logits(logits, settings(1, top_k=3), backend)))[0]
     assert kept.tolist() == [True] * 3 + [False] * 7
-    assert np.isfinite(np.asarray(filter_logits(logits, settings(1, nucleus_p=1.0, top_k=0), kernel))).all()
+    assert np.isfinite(np.asarray(filter_logits(logits, settings(1, nucleus_p=1.0, top_k=0), backend))).all()
 
 
 def _reference_threshold(x, k, p):
@@ -103,7 +105,7 @@ def _reference_threshold(x, k, p):
     return top[keep.sum() - 1]  # the kept tokens are a prefix of the sorted row
 
 
-@pytest.mark.skipif(not panel.available(), reason="no sampling kernel")
+@pytest.mark.skipif(not build.available(), reason="no sampling kernel")
 @pytest.mark.parametrize("v", [5, 16, 300, 32768])
 def test_kernel_cut_equals_the_sorted_rule(v):
     rng = np.random.default_rng(v)
@@ -116,34 +118,34 @@ def test_kernel_cut_equals_the_sorted_rule(v):
     k[::2] = 0
     k[3] = 1
     p = rng.choice([1.0, 0.95, 0.9, 0.5, 0.1, 1e-6], b).astype(np.float32)
-    got = np.asarray(jax.jit(panel.filter_threshold)(x, k, p))
+    got = np.asarray(jax.jit(ops.filter_threshold)(x, k, p))
     for r in range(b):
         want = _reference_threshold(x[r], k[r], p[r])
         assert ((x[r] >= got[r]) == (x[r] >= want)).all(), (r, k[r], p[r], got[r], want)
     assert not np.isfinite(got).all() or (x >= got[:, None]).sum(1).min() >= 1
 
 
-@pytest.mark.skipif(not panel.available(), reason="no sampling kernel")
+@pytest.mark.skipif(not build.available(), reason="no sampling kernel")
 def test_kernel_cut_of_rows_without_a_finite_maximum():
     x = np.full((3, 40), -np.inf, np.float32)
     x[1, 7] = np.inf
     x[2, :] = np.nan
-    got = np.asarray(panel.filter_threshold(x, np.array([2, 0, 0], np.int32), np.full(3, 0.5, np.float32)))
+    got = np.asarray(ops.filter_threshold(x, np.array([2, 0, 0], np.int32), np.full(3, 0.5, np.float32)))
     assert got[0] == -np.inf and got[1] == np.inf and got[2] == -np.inf
     with pytest.raises(ValueError, match="do not match"):
-        panel.filter_threshold(x, np.zeros(2, np.int32), np.ones(3, np.float32))
+        ops.filter_threshold(x, np.zeros(2, np.int32), np.ones(3, np.float32))
 
 
-@pytest.mark.skipif(not panel.available(), reason="no sampling kernel")
+@pytest.mark.skipif(not build.available(), reason="no sampling kernel")
 def test_kernel_and_sort_draw_the_same_tokens():
     logits = jax.random.normal(jax.random.PRNGKey(5), (16, 3000)) * 4
     s = settings(16, temperature=0.8, nucleus_p=0.9).replace(top_k=jnp.arange(16) * 7)
     k = keys(16, seed=11)
-    sorted_draw, kernel_draw = (np.asarray(sample_token(logits, s, k, kernel).token_id) for kernel in (False, True))
+    sorted_draw, kernel_draw = (np.asarray(sample_token(logits, s, k, kernel).token_id) for kernel in (XLA(), ON_KERNELS))
     np.testing.assert_array_equal(kernel_draw, sorted_draw)
 
 
-@pytest.mark.skipif(not panel.available(), reason="no sampling kernel")
+@pytest.mark.skipif(not build.available(), reason="no sampling kernel")
 @pytest.mark.parametrize("v, top", [(3, 3), (17, 8), (300, 8), (32768, 8)])
 def test_kernel_summary_equals_top_k_and_logsumexp(v, top):
     rng = np.random.default_rng(v)
@@ -152,7 +154,7 @@ def test_kernel_summary_equals_top_k_and_logsumexp(v, top):
     x[2, : v - 1] = -np.inf  # fewer numbers than the top asks for
     x[3] = 2.0  # all equal
     x[4, v // 2] = 80.0  # one dominant logit
-    vals, ids, lse = jax.jit(panel.logits_summary, static_argnums=1)(x, top)
+    vals, ids, lse = jax.jit(ops.logits_summary, static_argnums=1)(x, top)
     want_vals, want_ids = jax.lax.top_k(x, top)
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_array_equal(vals, want_vals)
@@ -160,28 +162,28 @@ def test_kernel_summary_equals_top_k_and_logsumexp(v, top):
     np.testing.assert_array_equal(ids[:, 0], np.asarray(jnp.argmax(x, axis=-1)))
 
 
-@pytest.mark.skipif(not panel.available(), reason="no sampling kernel")
+@pytest.mark.skipif(not build.available(), reason="no sampling kernel")
 def test_kernel_summary_of_rows_without_a_finite_maximum():
     x = np.full((4, 20), -np.inf, np.float32)
     x[1, 3] = np.inf
     x[2, 5] = np.nan  # NaN ranks as -inf and makes the lse NaN
     x[3, :] = 1.0
     x[3, 0] = np.nan
-    vals, ids, lse = panel.logits_summary(x, 4)
+    vals, ids, lse = ops.logits_summary(x, 4)
     assert np.asarray(ids)[0].tolist() == [0, 1, 2, 3] and np.asarray(lse)[0] == -np.inf
     assert np.asarray(ids)[1, 0] == 3 and np.asarray(lse)[1] == np.inf
     assert np.isnan(np.asarray(lse)[2]) and np.asarray(ids)[2].tolist() == [0, 1, 2, 3]
     assert np.asarray(ids)[3].tolist() == [1, 2, 3, 4] and np.isnan(np.asarray(lse)[3])
     with pytest.raises(ValueError, match="1 <= top <= V"):
-        panel.logits_summary(x, 21)
+        ops.logits_summary(x, 21)
 
 
-@pytest.mark.skipif(not panel.available(), reason="no sampling kernel")
+@pytest.mark.skipif(not build.available(), reason="no sampling kernel")
 def test_sample_token_on_the_kernels_reports_what_xla_does():
     logits = jax.random.normal(jax.random.PRNGKey(6), (8, 5000)) * 3
     s = settings(8, temperature=0.0).replace(temperature=jnp.array([0.0, 0.7] * 4), nucleus_p=jnp.full((8,), 0.9))
     k = keys(8, seed=12)
-    xla, kern = (sample_token(logits, s, k, kernel) for kernel in (False, True))
+    xla, kern = (sample_token(logits, s, k, kernel) for kernel in (XLA(), ON_KERNELS))
     np.testing.assert_array_equal(kern.token_id, xla.token_id)
     np.testing.assert_array_equal(kern.top_k_token_ids, xla.top_k_token_ids)
     np.testing.assert_allclose(kern.logprob, xla.logprob, rtol=1e-5, atol=1e-6)

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from model import GROK_1, TINY, forward, init_params, new_memory, panel
-from model.experts import ExpertWeights, split_experts
+from backends.cpu import ops as panel
+from backends.cpu.layout import ExpertWeights
+from model import GROK_1, TINY, forward, init_params, new_memory
 from model.plan import abstract_params, memory_plan
 from model.sharding import (DEFAULT_RULES, EXPERT_PARALLEL_RULES, logical_axes, make_mesh, memory_specs, param_specs,
                             path_str)
@@ -135,18 +136,16 @@ def test_meshes_match_single_device(shard_params, plain_params, single_device, s
     runner.initialize()
     engine = runner.runner
     assert generate(runner) == want_tokens
-    # outputs carry the declared shardings; on CPU the runner holds MoE weights one buffer per
-    # expert, each with the stacked spec less its (unsharded) experts entry, or, on one device,
-    # in panels for the kernel of model/panel.py where the runner measured that faster
+    # outputs carry the declared shardings: on a mesh the canonical stacked weights with their
+    # specs; on one CPU device the CPU backend's layout (split per expert, or in panels where the
+    # runner measured the kernel faster)
     w = engine.params["transformer"]["decoder_layer_1"]["moe"]["linear"]["w"]
-    if engine.kernels["moe"].kernel:
-        assert mesh.size == 1 and panel.available()
+    if mesh.size > 1:
+        assert w.sharding.spec == P(None, "data", "model") and w.sharding.mesh.shape == mesh.shape
+    elif engine.selection.choices["moe"].kernel:
         assert isinstance(w, panel.PanelWeight) and w.shape[0] == SHARD.num_experts
-        assert w.panels.sharding.spec == P() and w.panels.sharding.mesh.shape == mesh.shape
     else:
         assert isinstance(w, ExpertWeights) and len(w.experts) == SHARD.num_experts
-        for e in w.experts:
-            assert e.sharding.spec == P("data", "model") and e.sharding.mesh.shape == mesh.shape
     state = runner.state
     assert state.memory.k[0].sharding.spec == P("data", "model", None, None)
     assert state.memory.step.sharding.spec == P("data") and state.tokens.sharding.spec == P("data")
@@ -166,16 +165,6 @@ def test_expert_parallelism_matches(shard_params, plain_params, single_device):
     assert generate(runner) == want_tokens
 
 
-def test_split_experts_cannot_be_expert_sharded(plain_params):
-    split = split_experts(plain_params)
-    specs = param_specs(split, DEFAULT_RULES)
-    w = specs["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
-    # the down projection [F, D] is held transposed, [D, F], and its spec with it
-    assert isinstance(w, ExpertWeights) and w.transposed and all(s == P("data", "model") for s in w.experts)
-    with pytest.raises(ValueError, match="experts axis cannot be sharded"):
-        param_specs(split, EXPERT_PARALLEL_RULES)
-
-
 @pytest.mark.parametrize("groups", [1, 2, 8])
 def test_scale_groups_work_on_any_model_axis(plain_params, groups):
     qparams = quantize_params(plain_params, groups=groups)
@@ -183,7 +172,7 @@ def test_scale_groups_work_on_any_model_axis(plain_params, groups):
     want = np.asarray(forward(qparams, tokens, SHARD).logits)
     for shape in [(1, 2), (1, 4), (2, 4), (1, 8)]:
         mesh = make_mesh(shape, jax.devices()[: shape[0] * shape[1]])
-        engine = ModelRunner(model=SHARD, params=qparams, split_experts=False)  # stacked, as stored
+        engine = ModelRunner(model=SHARD, params=qparams, backend="xla")  # stacked, as stored
         engine.initialize(mesh, batch_size=8)
         down = engine.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
         expected_g = "model" if groups % shape[1] == 0 else None  # G sharded where the mesh divides it

@@ -5,7 +5,8 @@
 
 Reproducible: a fixed seed fixes the initial parameters and the data order (window offsets drawn
 from ``numpy.random.default_rng(seed)``); the number of steps is fixed (no wall-clock cutoff).
-The forward pass is the project's own ``model.LanguageModel(config, moe_impl="dense")``; the loss
+The forward pass is the project's own ``model.LanguageModel(config, XLA(grouped="ragged"))`` (the
+MoE's grouped matmul as ``jax.lax.ragged_dot``, which has a gradient); the loss
 is next-token cross-entropy plus a Switch-style load-balancing loss on the sown ``router_probs``.
 Optimiser: optax AdamW (linear warm-up + cosine decay, weight decay on matrices only) after
 global-norm clipping at 1.0. The result is saved in the native format with the attention and
@@ -26,6 +27,7 @@ import numpy as np
 import optax
 
 import model
+from backends import XLA
 from model import LanguageModel, ModelConfig
 from train import data
 
@@ -76,7 +78,7 @@ def cross_entropy(logits, tokens):
 
 
 def make_fns(config: ModelConfig, optimizer, aux_coef: float):
-    lm = LanguageModel(config, moe_impl="dense")
+    lm = LanguageModel(config, XLA(grouped="ragged"))
 
     def loss_fn(params, tokens):
         out, state = lm.apply({"params": params}, tokens, mutable=["intermediates"])

@@ -1,6 +1,6 @@
 """Which CPU kernels a runner takes: each timed against the XLA operation it replaces, on this CPU.
 
-The C++ kernels of ``model/panel.py`` were tuned on one CPU (a Zen 4 with AVX-512). On another
+The C++ kernels of ``backends/cpu/ops.py`` were tuned on one CPU (a Zen 4 with AVX-512). On another
 (other vector registers, caches or bandwidth) XLA's own operation can be the faster one: the
 issue that brought this module measured the kernels 2-4x slower than XLA on an AVX2-only EPYC.
 So on one CPU device the runner takes a kernel only where it is measured faster here: each
@@ -9,19 +9,22 @@ only if it wins at every one of them (a decode-time win does not buy a prefill-t
 
 Operations (the XLA op each replaces in brackets), and the shapes timed:
 - ``moe``: the experts as one grouped panel matmul per weight (XLA's dots on the split experts,
-  ``model.layers._grouped_moe``), at decode (``batch`` tokens) and prefill (``prefill_tokens``);
+  ``backends.xla.loop_grouped_matmul``), at decode (``batch`` tokens) and prefill (``prefill_tokens``);
 - ``projections``: the attention's query/key/value/output projections (``einsum``), same shapes;
 - ``unembed``: the tied unembedding of every slot's last hidden state (``einsum``), at decode;
-- ``attention``: a decode step's attention read from the cache (``model.layers.attend``), over a
+- ``attention``: a decode step's attention read from the cache (``backends.xla.attend``), over a
   cache of ``kv_len`` positions;
-- ``sampling_cut``: the top-k/top-p cut by radix select (a sort, ``runner.sampling.sorted_threshold``);
+- ``sampling_cut``: the top-k/top-p cut by radix select (a sort, ``backends.xla.sorted_threshold``);
 - ``logits_summary``: the top 8, normaliser and argmax in one pass (``top_k``, ``logsumexp``, argmax).
+
+Each way is the ``CPU`` backend itself, with the operation's kernel taken and without, so what is
+timed is what the model runs.
 
 Weights are synthetic, of the model's shapes, one set per layer up to ``MAX_BYTES`` per operation
 and layout, so a timed call streams from memory as the model's own step does. Both ways are
 compiled side by side, then timed taking turns call by call (the host's bandwidth moves), and the
 medians compared. A full calibration takes a few seconds; its result is cached beside the kernel
-library (``panel.library_path()``, keyed as the library is: sources, compiler, jax, CPU) under a
+library (``build.library_path()``, keyed as the library is: sources, compiler, jax, CPU) under a
 key naming the operation and its shapes, so a later start on this machine only reads it.
 """
 
@@ -40,17 +43,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import panel
+from backends.cpu import build, layout
+from backends.cpu.backend import CPU, OPERATIONS
 from model.config import ModelConfig
-from model.experts import split_experts
-from model.layers import _grouped_moe, _panel_moe, _project, attend, group_size
-from runner.sampling import SampleSettings, argmax, sorted_threshold
+from model.layers import moe
 
 log = logging.getLogger("grok_runner")
 
-WEIGHT_OPERATIONS = ("moe", "projections", "unembed", "attention")
-SAMPLING_OPERATIONS = ("sampling_cut", "logits_summary")
-OPERATIONS = WEIGHT_OPERATIONS + SAMPLING_OPERATIONS
+WEIGHT_OPERATIONS = OPERATIONS[:4]  # those that need float32 activations
+XLA_WAY = CPU()
+BY_LAYOUT = CPU(on=frozenset({"projections", "unembed"}))  # the panel kernel on panels, XLA's dot on arrays
 MAX_BYTES = 256 << 20  # synthetic weights per operation and layout: beyond the caches, within memory
 TIME_BUDGET = 0.05  # seconds of timed calls per shape and way, beyond the minimum repeats
 MIN_REPEATS, MAX_REPEATS = 5, 25
@@ -132,21 +134,18 @@ def _moe(config: ModelConfig, tokens: int, rng):
     for i in range(layers):
         stacked = {"moe": {"linear": {"w": _normal(rng, (e, d, f))}, "linear_v": {"w": _normal(rng, (e, d, f))},
                            "linear_1": {"w": _normal(rng, (e, f, d))}}}
-        for out, panels in ((xla_layers, False), (kernel_layers, True)):
-            split = split_experts(stacked, panels=panels)["moe"]
-            out.append(tuple(split[name]["w"] for name in ("linear", "linear_v", "linear_1")))
+        for out, panels in ((xla_layers, frozenset()), (kernel_layers, frozenset({"moe"}))):
+            held = layout.prepare(stacked, panels)["moe"]
+            out.append(tuple(held[name]["w"] for name in ("linear", "linear_v", "linear_1")))
     # uniform routing, as an untrained router spreads tokens
     idx_Mk = jnp.asarray(np.stack([rng.permutation(e)[:top] for _ in range(tokens)]), jnp.int32)
     gates_Mk = jnp.full((tokens, top), 1.0 / top, jnp.float32)
-    rows = group_size(tokens, c)
+    kernel = CPU(on=frozenset({"moe"}))
 
-    def xla(x, w):
-        return _grouped_moe(x, gates_Mk, idx_Mk, w, e, rows, jnp.float32)
+    def way(backend):
+        return lambda x, w: moe(x, gates_Mk, idx_Mk, w, backend, jnp.float32)
 
-    def kernel(x, w):
-        return _panel_moe(x, gates_Mk, idx_Mk, w, e, dense=False)
-
-    return _normal(rng, (tokens, d), 1.0), (kernel, kernel_layers), (xla, xla_layers)
+    return _normal(rng, (tokens, d), 1.0), (way(kernel), kernel_layers), (way(XLA_WAY), xla_layers)
 
 
 def _projections(config: ModelConfig, tokens: int, rng):
@@ -155,13 +154,13 @@ def _projections(config: ModelConfig, tokens: int, rng):
     shapes = ((d, nh), (d, kh), (d, kh), (nh, d))
     layers = _layers(c, sum(a * b for a, b in shapes) * 4)
     xla_layers = [tuple(jnp.asarray(_normal(rng, s)) for s in shapes) for _ in range(layers)]
-    kernel_layers = [tuple(panel.PanelWeight.of(np.asarray(w)) for w in ws) for ws in xla_layers]
+    kernel_layers = [tuple(layout.PanelWeight.of(np.asarray(w)) for w in ws) for ws in xla_layers]
 
     def one(x_BTD, ws):
         wq, wk, wv, wo = ws
-        q = _project(x_BTD, wq, jnp.float32)
-        kv = _project(x_BTD, wk, jnp.float32) + _project(x_BTD, wv, jnp.float32)
-        return _project(q, wo, jnp.float32) + jnp.sum(kv, axis=-1, keepdims=True)
+        q = BY_LAYOUT.matmul(x_BTD, wq, jnp.float32)
+        kv = BY_LAYOUT.matmul(x_BTD, wk, jnp.float32) + BY_LAYOUT.matmul(x_BTD, wv, jnp.float32)
+        return BY_LAYOUT.matmul(q, wo, jnp.float32) + jnp.sum(kv, axis=-1, keepdims=True)
 
     return _normal(rng, (1, tokens, d), 1.0), (one, kernel_layers), (one, xla_layers)
 
@@ -170,13 +169,10 @@ def _unembed(config: ModelConfig, rows: int, rng):
     table = _normal(rng, (config.vocab_size, config.emb_size))
     x = _normal(rng, (1, rows, config.emb_size), 1.0)
 
-    def kernel(h, t):
-        return jnp.sum(t.unembed(h), axis=-1, keepdims=True)
+    def one(h, t):
+        return jnp.sum(BY_LAYOUT.unembed(h, t, jnp.float32), axis=-1, keepdims=True)
 
-    def xla(h, t):
-        return jnp.sum(jnp.einsum("BTD,VD->BTV", h, t), axis=-1, keepdims=True)
-
-    return x, (kernel, [panel.PanelTable.of(table)]), (xla, [jnp.asarray(table)])
+    return x, (one, [layout.PanelTable.of(table)]), (one, [jnp.asarray(table)])
 
 
 def _attention(config: ModelConfig, batch: int, kv_len: int, rng):
@@ -187,33 +183,30 @@ def _attention(config: ModelConfig, batch: int, kv_len: int, rng):
     length = c.sequence_len
     layers = _layers(c, 2 * batch * k * length * h * 4)
     caches = [tuple(jnp.asarray(_normal(rng, (batch, k, length, h), 1.0)) for _ in range(2)) for _ in range(layers)]
-    mask_BS = jnp.arange(kv_len)[None, :] < jnp.full((batch, 1), kv_len - kv_len // 4)  # a bucket is never full
+    mask_BTS = (jnp.arange(kv_len)[None, :] < jnp.full((batch, 1), kv_len - kv_len // 4))[:, None]  # never full
 
-    def kernel(q_BNH, kv):
-        return panel.decode_attention(q_BNH, kv[0], kv[1], mask_BS, c.attn_output_multiplier, c.attn_logit_cap)
+    def way(backend):
+        return lambda q_BNH, kv: backend.attention(q_BNH[:, None], kv[0], kv[1], mask_BTS, c.attn_output_multiplier,
+                                                   c.attn_logit_cap)[:, 0]
 
-    def xla(q_BNH, kv):
-        return attend(q_BNH[:, None], kv[0][:, :, :kv_len], kv[1][:, :, :kv_len], mask_BS[:, None], c)[:, 0]
-
-    return _normal(rng, (batch, n, h), 1.0), (kernel, caches), (xla, caches)
+    return _normal(rng, (batch, n, h), 1.0), (way(CPU(on=frozenset({"attention"}))), caches), (way(XLA_WAY), caches)
 
 
 def _sampling(config: ModelConfig, batch: int, rng, cut: bool):
     logits = jnp.asarray(_normal(rng, (batch, config.vocab_size), 3.0))
-    settings = SampleSettings(temperature=jnp.full((batch,), 0.8), nucleus_p=jnp.full((batch,), 0.95),
-                              top_k=jnp.zeros((batch,), jnp.int32))
+    top_k, nucleus_p = jnp.zeros((batch,), jnp.int32), jnp.full((batch,), 0.95)
     if cut:
-        kernel = lambda x, _: panel.filter_threshold(x, settings.top_k, settings.nucleus_p)[:, None]  # noqa: E731
-        xla = lambda x, _: sorted_threshold(x, settings)[:, None]  # noqa: E731
+        def way(backend):
+            return lambda x, _: backend.sampling_cut(x, top_k, nucleus_p)[:, None]
+        kernel = CPU(on=frozenset({"sampling_cut"}))
     else:
-        def kernel(x, _):
-            values, ids, lse = panel.logits_summary(x, 8)
-            return values[:, :1] + ids[:, :1] + lse[:, None]
-
-        def xla(x, _):
-            values, ids = jax.lax.top_k(x, 8)
-            return values[:, :1] + ids[:, :1] + jax.nn.logsumexp(x, axis=-1)[:, None] + argmax(x)[:, None]
-    return logits, (kernel, [None]), (xla, [None])
+        def way(backend):
+            def summary(x, _):
+                values, ids, lse, first = backend.logits_summary(x, 8)
+                return values[:, :1] + ids[:, :1] + lse[:, None] + first[:, None]
+            return summary
+        kernel = CPU(on=frozenset({"logits_summary"}))
+    return logits, (way(kernel), [None]), (way(XLA_WAY), [None])
 
 
 def _shapes(operation: str, config: ModelConfig, batch: int, prefill_tokens: int, kv_len: int):
@@ -277,7 +270,7 @@ def _measure(shapes) -> list[Measurement]:
 
 
 def _cache_path() -> Path | None:
-    lib = panel.library_path()
+    lib = build.library_path()
     return None if lib is None else lib.with_suffix(".calibration.json")
 
 

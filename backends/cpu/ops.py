@@ -1,12 +1,10 @@
-"""Weights packed in column panels, and the CPU kernels that use them: the runner's layout for
-the MoE experts, the attention projections and the tied embedding on one CPU device; with them,
-the sampler's kernels.
+"""The CPU kernels as JAX operations (XLA FFI calls), and the column-panel layout they read.
 
 A weight ``w [K, N]`` is held as ``[ceil(N / 32), K, 32]``: panel p is columns ``32p .. 32p+31``
 (zero past N), one contiguous run. Stacked experts ``[E, K, N]`` are ``[E, ceil(N / 32), K, 32]``.
 - ``panel_matmul`` multiplies by one weight (``panel_matmul.cc``): it streams each panel front to
   back on XLA's CPU thread pool. Per BENCHMARKS.md it reads weights 1.5-2x faster than XLA:CPU's
-  own dot for 2 to 32 rows, at least as fast for one row, and it is also faster at prefill sizes.
+  own dot for 2 to 32 rows on an AVX-512 Zen 4, at least as fast for one row.
 - ``grouped_matmul`` multiplies rows grouped by expert, each group by its own expert, in one call
   (the MoE): an expert no row chose is never read, and one with many rows is read once.
 - ``decode_attention`` is a decode step's attention read in place from the KV cache
@@ -16,148 +14,22 @@ A weight ``w [K, N]`` is held as ``[ceil(N / 32), K, 32]``: panel p is columns `
   (``sampling.cc``): XLA:CPU's sort made a top-p batch-32 step about 5x slower, and its top-8
   took 1.6 ms of a greedy one.
 
-The kernels are C++, built on first use with the machine's C++ compiler (``$CXX``, else ``c++``
-or ``g++``; ``-O3 -march=native``, the sources side by side, about 4 s on 2 cores). They are
-written for the vector registers the target has: 16 floats and 32 registers with AVX-512, 8 floats
-and 16 registers with AVX2 (``kernels.h``; vectors wider than the registers made the AVX2 build
-4-50x slower). ``GROK_RUNNER_KERNEL_MARCH`` builds for another ``-march`` (``x86-64-v3``: the AVX2
-variants on an AVX-512 machine). The library is cached under ``~/.cache/grok-runner/kernels``
-(``GROK_RUNNER_KERNEL_CACHE`` overrides it), keyed by the sources, jax's version, the CPU, the
-compiler and the target (``library_path()``). Without a compiler, ``available()`` is False and
-says why in ``unavailable_reason()``; the runner then keeps XLA's ops. Where a kernel is
-available, the runner still takes it only where ``runner/calibration.py`` measured it faster than
-XLA's op on this CPU.
+Each call checks that the kernels are built (``backends.cpu.build``) and raises ``RuntimeError``
+saying why not otherwise.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
 import mmap
-import os
-import re
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from backends.cpu import build
+
 PANEL = 32
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("panel_matmul.cc", "attention.cc", "sampling.cc"))
-HEADERS = (Path(__file__).with_name("kernels.h"),)
-_TARGET = "grok_runner_panel_matmul"
-_GROUPED = "grok_runner_grouped_panel_matmul"
-_ATTENTION = "grok_runner_decode_attention"
-_FILTER = "grok_runner_sampling_threshold"
-_SUMMARY = "grok_runner_logits_summary"
-
-
-def march() -> str:
-    """The ``-march`` the kernels are built for: the CPU at hand unless ``GROK_RUNNER_KERNEL_MARCH``
-    names another (``x86-64-v3`` builds the AVX2 variants on an AVX-512 machine, to measure them)."""
-    return os.environ.get("GROK_RUNNER_KERNEL_MARCH") or "native"
-
-
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "".join(line for line in f if line.startswith(("model name", "flags")))
-    except OSError:
-        import platform
-
-        return platform.processor() + platform.machine()
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-
-
-def library_path() -> Path | None:
-    """Where the kernel library for this CPU, compiler and source lives (built or not); None
-    without a compiler. Its calibration (``runner/calibration.py``) is cached beside it."""
-    cxx = _compiler()
-    if not cxx:
-        return None
-    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(source + jax.__version__.encode() + _cpu_id().encode() + cxx.encode()
-                         + march().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("GROK_RUNNER_KERNEL_CACHE", "~/.cache/grok-runner/kernels")).expanduser()
-    return cache / f"kernels-{key}.so"
-
-
-_BUILD_LOCK = threading.Lock()
-
-
-def prebuild() -> None:
-    """Start building the kernels in a background thread, if they are not built yet: the
-    compiler runs while the caller restores a checkpoint. ``available()`` then waits for it."""
-    if _build_once.cache_info().currsize == 0:
-        threading.Thread(target=available, name="kernel-build", daemon=True).start()
-
-
-def _build() -> str | None:
-    """Compile and register the kernel once per process; None when it works, else why not."""
-    with _BUILD_LOCK:  # one build, however many threads ask
-        return _build_once()
-
-
-@functools.lru_cache(maxsize=None)
-def _build_once() -> str | None:
-    cxx, lib = _compiler(), library_path()
-    if lib is None:
-        return "no C++ compiler found (set $CXX)"
-    cache = lib.parent
-    try:
-        if not lib.exists():
-            cache.mkdir(parents=True, exist_ok=True)
-            why_not = _compile(cxx, lib)
-            if why_not:
-                return why_not
-        library = ctypes.cdll.LoadLibrary(str(lib))
-        handlers = {_TARGET: library.panel_matmul, _GROUPED: library.grouped_panel_matmul,
-                    _ATTENTION: library.decode_attention, _FILTER: library.sampling_threshold,
-                    _SUMMARY: library.logits_summary}
-    except (OSError, AttributeError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash, bad library
-        return f"building or loading {lib} failed: {e}"
-    for name, handler in handlers.items():
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
-    return None
-
-
-def _compile(cxx: str, lib: Path) -> str | None:
-    """Build the library at ``lib``: the sources compile side by side (each takes about 2.5 s,
-    mostly XLA's FFI headers), then link. None when it works, else why not."""
-    flags = [cxx, "-O3", f"-march={march()}", "-std=c++17", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}"]
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        objects = [Path(tmp) / f"{path.stem}.o" for path in SOURCES]
-        jobs = [subprocess.Popen([*flags, "-c", str(path), "-o", str(obj)], stderr=subprocess.PIPE, text=True)
-                for path, obj in zip(SOURCES, objects)]
-        errors = [(path, job.communicate(timeout=300)[1]) for path, job in zip(SOURCES, jobs)]
-        failed = [f"{path.name}: {err.strip()[-500:] or f'exit status {job.returncode}'}"
-                  for (path, err), job in zip(errors, jobs) if job.returncode]
-        if not failed:
-            linked = subprocess.run([cxx, "-shared", *map(str, objects), "-o", f"{tmp}/lib.so"], stderr=subprocess.PIPE,
-                                    text=True, timeout=300)
-            if linked.returncode == 0:
-                os.replace(f"{tmp}/lib.so", lib)  # atomic: a concurrent build never sees half a library
-                return None
-            failed = [f"linking: {linked.stderr.strip()[-500:]}"]
-    return f"building {', '.join(path.name for path in SOURCES)} failed: " + "; ".join(failed)
-
-
-def available() -> bool:
-    """Whether the kernel is built and registered (building it on the first call)."""
-    return _build() is None
-
-
-def unavailable_reason() -> str | None:
-    return _build()
 
 
 def _hugepage_empty(shape) -> np.ndarray:
@@ -207,13 +79,7 @@ def _check_call(name: str, x, panels, n: int) -> None:
     p = panels.shape[-3]
     if not (p - 1) * PANEL < n <= p * PANEL:
         raise ValueError(f"n={n} is not the width of {p} panels of {PANEL}")
-    _require_kernels()
-
-
-def _require_kernels() -> None:
-    reason = _build()
-    if reason is not None:
-        raise RuntimeError(f"the panel kernel is unavailable: {reason}")
+    build.require()
 
 
 def panel_matmul(x, panels, n: int):
@@ -221,7 +87,7 @@ def panel_matmul(x, panels, n: int):
     if panels.ndim != 3 or panels.shape[2] != PANEL or x.shape[-1] != panels.shape[1]:
         raise ValueError(f"x {x.shape} does not match panels {panels.shape} ([P, K, {PANEL}])")
     _check_call("panel_matmul", x, panels, n)
-    return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32))(x, panels)
+    return jax.ffi.ffi_call(build.MATMUL, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32))(x, panels)
 
 
 def grouped_matmul(x, panels, sizes, n: int):
@@ -237,7 +103,7 @@ def grouped_matmul(x, panels, sizes, n: int):
         raise ValueError(f"sizes {sizes.shape} must have one entry per expert ({panels.shape[0]})")
     _check_call("grouped_matmul", x, panels, n)
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(_GROUPED, out)(x, panels, sizes.astype(jnp.int32))
+    return jax.ffi.ffi_call(build.GROUPED, out)(x, panels, sizes.astype(jnp.int32))
 
 
 MAX_HEAD, MAX_GROUP = 128, 16  # attention.cc's kMaxHeadDim, kMaxHeadsPerKv
@@ -267,8 +133,8 @@ def decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BS, scale: float, cap: float):
     if not decode_attention_fits(n, k_BKSH.shape[1], h):
         raise ValueError(f"decode_attention takes head sizes up to {MAX_HEAD} and at most {MAX_GROUP} query "
                          f"heads a KV head, got H={h}, {n // k_BKSH.shape[1]}")
-    _require_kernels()
-    call = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
+    build.require()
+    call = jax.ffi.ffi_call(build.ATTENTION, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
     return call(q_BNH, k_BKSH, v_BKSH, mask_BS.astype(jnp.bool_), scale=np.float32(scale), cap=np.float32(cap))
 
 
@@ -281,8 +147,8 @@ def filter_threshold(scaled_BV, top_k_B, nucleus_p_B):
     if scaled_BV.ndim != 2 or top_k_B.shape != scaled_BV.shape[:1] or nucleus_p_B.shape != scaled_BV.shape[:1]:
         raise ValueError(f"filter_threshold: scaled {scaled_BV.shape}, top_k {top_k_B.shape} and nucleus_p "
                          f"{nucleus_p_B.shape} do not match ([B, V], [B], [B])")
-    _require_kernels()
-    call = jax.ffi.ffi_call(_FILTER, jax.ShapeDtypeStruct(scaled_BV.shape[:1], jnp.float32))
+    build.require()
+    call = jax.ffi.ffi_call(build.FILTER, jax.ShapeDtypeStruct(scaled_BV.shape[:1], jnp.float32))
     return call(scaled_BV.astype(jnp.float32), top_k_B.astype(jnp.int32), nucleus_p_B.astype(jnp.float32))
 
 
@@ -293,9 +159,9 @@ def logits_summary(logits_BV, top: int):
     largest logit, ``jnp.argmax``'s. NaN ranks as -inf; a NaN makes the row's lse NaN."""
     if logits_BV.ndim != 2 or not 1 <= top <= logits_BV.shape[1]:
         raise ValueError(f"logits_summary takes logits [B, V] and 1 <= top <= V, got {logits_BV.shape} and {top}")
-    _require_kernels()
+    build.require()
     b = logits_BV.shape[0]
-    call = jax.ffi.ffi_call(_SUMMARY, (jax.ShapeDtypeStruct((b, top), jnp.float32),
+    call = jax.ffi.ffi_call(build.SUMMARY, (jax.ShapeDtypeStruct((b, top), jnp.float32),
                                        jax.ShapeDtypeStruct((b, top), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32)))
     return call(logits_BV.astype(jnp.float32))
 
@@ -349,26 +215,3 @@ class PanelTable:
     def unembed(self, h):
         """``h [..., D] @ table.T``: ``[..., V]`` in float32."""
         return panel_matmul(h.astype(jnp.float32), self.panels, self.vocab_size)
-
-
-EMBEDDING = "language_model/in_out_embed/embeddings"
-ATTENTION = re.compile(r"(.*/)?multi_head_attention/(query|key|value|linear)/w")
-
-
-def pack_params(params, embedding: bool = True, attention: bool = True):
-    """``params`` with the float32 tied embedding held as a ``PanelTable`` (``embedding``) and the
-    float32 attention projections as ``PanelWeight`` (``attention``); others unchanged (the MoE
-    experts are packed by ``model.experts.split_experts``)."""
-    from model.sharding import path_str
-
-    def one(path, w):
-        if isinstance(w, (PanelWeight, PanelTable)) or not hasattr(w, "dtype") or w.dtype != jnp.float32:
-            return w
-        name = path_str(path)
-        if name == EMBEDDING and embedding:
-            return PanelTable.of(w)
-        if ATTENTION.fullmatch(name) and w.ndim == 2 and attention:
-            return PanelWeight.of(w)
-        return w
-
-    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: hasattr(x, "dtype"))

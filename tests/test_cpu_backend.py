@@ -1,9 +1,8 @@
-"""The panel kernel (model/panel.py): packing, the product against XLA's, its errors, and when the
-runner uses it."""
+"""The CPU backend (backends/cpu): its build, the panel layout, each kernel against XLA's op, its
+errors, and when the runner takes it."""
 
 import dataclasses
 import mmap
-import os
 import shutil
 
 import jax
@@ -11,28 +10,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import TINY, forward, init_params, panel
-from model.experts import ExpertWeights
+from backends import XLA
+from backends.cpu import CPU, OPERATIONS, build, ops as panel
+from backends.cpu.layout import ExpertWeights, prepare
+from model import TINY, forward, init_params
 from model.sharding import make_mesh
 from runner import ModelRunner
 from tests.test_quant import quantize_params
 
-needs_kernel = pytest.mark.skipif(not panel.available(), reason=f"panel kernel: {panel.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(not build.available(), reason=f"CPU kernels: {build.unavailable_reason()}")
 
 
 def test_the_kernels_build_where_there_is_a_compiler():
     """Every kernel test below skips without the kernels; where a C++ compiler exists (CI has
     g++), a failed build must fail here instead of skipping them silently."""
-    if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
+    if build._compiler() is None:
         pytest.skip("no C++ compiler on this machine")
-    assert panel.available(), panel.unavailable_reason()
+    assert build.available(), build.unavailable_reason()
 
 
 def test_a_failed_build_says_which_source_and_leaves_no_library(tmp_path):
     false = shutil.which("false")
     if false is None:
         pytest.skip("no `false` command")
-    reason = panel._compile(false, tmp_path / "kernels.so")
+    reason = build._compile(false, tmp_path / "kernels.so")
     assert reason.startswith("building panel_matmul.cc") and "sampling.cc: exit status 1" in reason
     assert list(tmp_path.iterdir()) == []
 
@@ -136,7 +137,8 @@ def test_panel_matmul_rejects_what_it_cannot_do():
 def test_embedding_and_attention_in_panels_give_the_same_logits_and_rows():
     config = dataclasses.replace(TINY, vocab_size=333)  # not a multiple of 32: a ragged last panel
     params = init_params(config, jax.random.PRNGKey(0))
-    packed = panel.pack_params(params)
+    backend = CPU(on=frozenset({"projections", "unembed"}))
+    packed = backend.prepare(params)
     table = packed["language_model"]["in_out_embed"]["embeddings"]
     query = packed["transformer"]["decoder_layer_0"]["multi_head_attention"]["query"]["w"]
     assert isinstance(query, panel.PanelWeight) and query.shape == (config.emb_size, config.num_q_heads * config.key_size)
@@ -144,15 +146,27 @@ def test_embedding_and_attention_in_panels_give_the_same_logits_and_rows():
     ids = jnp.array([[0, 31, 32, 332], [5, 64, 300, 1]])
     np.testing.assert_array_equal(table.lookup(ids), params["language_model"]["in_out_embed"]["embeddings"][ids])
     tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(1), (2, 9), 1, 333))
-    np.testing.assert_allclose(forward(packed, tokens, config).logits, forward(params, tokens, config).logits,
-                               atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(forward(packed, tokens, config, backend=backend).logits,
+                               forward(params, tokens, config).logits, atol=1e-4, rtol=1e-4)
 
 
 @needs_kernel
 def test_embedding_panels_of_the_wrong_vocabulary_are_rejected():
-    params = panel.pack_params(init_params(TINY, jax.random.PRNGKey(0)))
-    with pytest.raises(ValueError, match="panels hold a"):
-        forward(params, np.ones((1, 3), np.int32), dataclasses.replace(TINY, vocab_size=TINY.vocab_size + 32))
+    backend = CPU(on=frozenset({"unembed"}))
+    params = backend.prepare(init_params(TINY, jax.random.PRNGKey(0)))
+    with pytest.raises(ValueError, match="held as PanelTable of shape"):
+        forward(params, np.ones((1, 3), np.int32), dataclasses.replace(TINY, vocab_size=TINY.vocab_size + 32),
+                backend=backend)
+
+
+def test_the_canonical_parameters_are_left_as_they_are():
+    """prepare makes new leaves: the canonical pytree (what checkpoints and sharding see) is unchanged."""
+    params = init_params(TINY, jax.random.PRNGKey(0))
+    before = jax.tree_util.tree_map(np.asarray, params)
+    CPU().prepare(params)
+    if build.available():
+        CPU(on=frozenset(OPERATIONS)).prepare(params)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, before, jax.tree_util.tree_map(np.asarray, params))
 
 
 def _moe_weight(engine):
@@ -160,60 +174,74 @@ def _moe_weight(engine):
 
 
 @needs_kernel
-def test_runner_insisting_holds_float32_weights_in_panels_on_one_cpu_device():
+def test_backend_cpu_holds_float32_weights_in_panels_on_one_cpu_device():
     params = init_params(TINY, jax.random.PRNGKey(0))
-    engine = ModelRunner(model=TINY, params=params, expert_panels=True, sampler_kernel=True)
+    engine = ModelRunner(model=TINY, params=params, backend="cpu")
     engine.initialize()
-    assert all(choice.kernel for choice in engine.kernels.values()), engine.kernel_report()
+    assert engine.selection.backend == CPU(on=frozenset(OPERATIONS)), engine.backend_report()
+    assert all(choice.kernel for choice in engine.selection.choices.values())
+    assert engine.backend_report().startswith("backend: cpu (on the C++ kernels: moe, projections")
     w = _moe_weight(engine)
     assert isinstance(w, panel.PanelWeight) and w.width == TINY.ffn_size
     assert w.shape == (TINY.num_experts, TINY.emb_size, TINY.ffn_size)
     assert isinstance(engine.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
     attention = engine.params["transformer"]["decoder_layer_0"]["multi_head_attention"]
     assert all(isinstance(attention[name]["w"], panel.PanelWeight) for name in ("query", "key", "value", "linear"))
-    assert engine.sample_on_kernel  # the top-k/top-p cut too (tests/test_sampling.py)
-    sorting = ModelRunner(model=TINY, params=params, expert_panels=True, sampler_kernel=False)
-    sorting.initialize()
-    assert not sorting.sample_on_kernel and "sampler_kernel=False" in sorting.kernel_report()
 
 
-def test_runner_keeps_xla_dots_where_the_kernel_does_not_apply():
+def test_backend_xla_keeps_the_canonical_parameters():
     params = init_params(TINY, jax.random.PRNGKey(0))
-    off = ModelRunner(model=TINY, params=params, expert_panels=False)
-    off.initialize()
-    assert isinstance(_moe_weight(off), ExpertWeights)
-    bf16 = ModelRunner(model=dataclasses.replace(TINY, fprop_dtype="bfloat16"), params=params)
+    engine = ModelRunner(model=TINY, params=params, backend="xla")
+    engine.initialize()
+    assert engine.selection.backend == XLA(grouped="loop")  # on CPU: ragged_dot would run every expert
+    assert engine.backend_report() == "backend: xla (the MoE's grouped matmul: a loop of dots per expert) (backend='xla')"
+    assert not isinstance(_moe_weight(engine), (ExpertWeights, panel.PanelWeight))
+
+
+def test_auto_keeps_xla_ops_where_a_kernel_does_not_apply():
+    params = init_params(TINY, jax.random.PRNGKey(0))
+    bf16 = ModelRunner(model=dataclasses.replace(TINY, fprop_dtype="bfloat16"), params=params, calibration_tokens=8)
     bf16.initialize()
-    assert isinstance(_moe_weight(bf16), ExpertWeights)
+    assert isinstance(_moe_weight(bf16), ExpertWeights)  # the CPU backend's split layout, no panels
+    assert "float32 activations (they are bfloat16)" in bf16.backend_report()
     mesh = make_mesh((1, 2), jax.devices()[:2])
     sharded = ModelRunner(model=TINY, params=params, mesh=mesh)
     sharded.initialize()
-    assert isinstance(_moe_weight(sharded), ExpertWeights)
-    assert not isinstance(sharded.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
-    assert not sharded.sample_on_kernel and "one CPU device" in sharded.kernel_report()
-    with pytest.raises(ValueError, match="one CPU device"):
-        ModelRunner(model=TINY, params=params, mesh=mesh, expert_panels=True).initialize()
-    with pytest.raises(ValueError, match="sampling kernel cannot be used: it runs on one CPU device"):
-        ModelRunner(model=TINY, params=params, mesh=mesh, sampler_kernel=True).initialize()
-    with pytest.raises(ValueError, match="needs the experts split"):
-        ModelRunner(model=TINY, params=params, split_experts=False, expert_panels=True).initialize()
-    # only float32 experts are packed: insisting on panels with int8 ones is an error, not a no-op
-    with pytest.raises(ValueError, match="float32 experts, and these are int8"):
-        ModelRunner(model=TINY, params=quantize_params(params, groups=2), expert_panels=True).initialize()
+    assert sharded.selection.backend == XLA(grouped="loop")
+    assert "auto: the mesh has 2 cpu devices" in sharded.backend_report()
+    assert not isinstance(_moe_weight(sharded), ExpertWeights)
+    with pytest.raises(ValueError, match="backend='cpu' runs on one CPU device; the mesh has 2 cpu devices"):
+        ModelRunner(model=TINY, params=params, mesh=mesh, backend="cpu").initialize()
+    # only float32 experts are packed: asking for every kernel with int8 ones is an error, not a no-op
+    with pytest.raises(ValueError, match="moe needs float32 experts, and these are int8"):
+        ModelRunner(model=TINY, params=quantize_params(params, groups=2), backend="cpu").initialize()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ModelRunner(model=TINY, params=params, backend="gpu").initialize()
 
 
-def test_without_the_kernel_the_runner_keeps_xla_dots(monkeypatch):
-    monkeypatch.setattr(panel, "_build", lambda: "no C++ compiler found (test)")
+def test_without_the_kernels_the_cpu_backend_keeps_xla_ops(monkeypatch):
+    monkeypatch.setattr(build, "_build", lambda: "no C++ compiler found (test)")
     params = init_params(TINY, jax.random.PRNGKey(0))
     engine = ModelRunner(model=TINY, params=params)
     engine.initialize()
+    assert engine.selection.backend == CPU()
     assert isinstance(_moe_weight(engine), ExpertWeights)
-    assert not isinstance(engine.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
-    assert not engine.sample_on_kernel
+    assert "moe: XLA (it needs no C++ compiler found (test))" in engine.backend_report()
     with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
-        ModelRunner(model=TINY, params=params, expert_panels=True).initialize()
-    with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
-        ModelRunner(model=TINY, params=params, sampler_kernel=True).initialize()
+        ModelRunner(model=TINY, params=params, backend="cpu").initialize()
+
+
+def test_prepare_without_kernels_splits_experts_and_packs_nothing():
+    params = init_params(TINY, jax.random.PRNGKey(0))
+    split = prepare(params, frozenset())
+    assert isinstance(_moe_weight_of(split), ExpertWeights)
+    down = split["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
+    assert down.transposed and down.shape == (TINY.num_experts, TINY.ffn_size, TINY.emb_size)
+    assert not isinstance(split["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
+
+
+def _moe_weight_of(params):
+    return params["transformer"]["decoder_layer_0"]["moe"]["linear"]["w"]
 
 
 def _attention_reference(q, k, v, mask, scale, cap):

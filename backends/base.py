@@ -1,0 +1,41 @@
+"""The interface every backend implements (see ``kernels/__init__.py``)."""
+
+from __future__ import annotations
+
+
+class Backend:
+    """What the model needs from the machine. Subclasses are frozen dataclasses: a backend is a
+    static argument of the model (hashable, compared by value), never a pytree."""
+
+    name = "abstract"
+
+    def prepare(self, params):
+        """The backend's own layout of the canonical ``params`` (the same pytree by default)."""
+        return params
+
+    def describe(self) -> str:
+        """One line: which backend and what it runs on its own kernels."""
+        return self.name
+
+    def matmul(self, x, w, dtype):
+        raise NotImplementedError
+
+    def embed(self, table, tokens, dtype):
+        raise NotImplementedError
+
+    def unembed(self, h, table, dtype):
+        raise NotImplementedError
+
+    def grouped_matmul(self, x_RK, w, sizes_E, dtype):
+        raise NotImplementedError
+
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float):
+        raise NotImplementedError
+
+    def sampling_cut(self, scaled_BV, top_k_B, nucleus_p_B):
+        """Per row, the smallest tempered logit that top-k then top-p keep ``[B]``."""
+        raise NotImplementedError
+
+    def logits_summary(self, logits_BV, top: int):
+        """(top values ``[B, top]``, their ids ``[B, top]`` int32, log-sum-exp ``[B]``, argmax ``[B]``)."""
+        raise NotImplementedError

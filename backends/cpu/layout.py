@@ -1,0 +1,96 @@
+"""The CPU backend's own layouts of the canonical parameters (``prepare``).
+
+- **Experts split**: a stacked MoE weight ``[E, K, N]`` becomes an ``ExpertWeights`` of E separate
+  buffers, so that the MoE reads one expert in place. XLA:CPU materialises a slice ``w[e]`` of a
+  stacked weight as a copy before the dot (a read and a write of the whole expert on every step,
+  measured: BENCHMARKS.md). Float down projections are held transposed (``[D, F]``, contracted on
+  both minor dimensions): XLA:CPU's matrix-vector product reads that layout about 1.7x faster.
+- **Panels**: where the calibration took a kernel, its float32 weights are packed in column
+  panels (``ops.PanelWeight``; the tied embedding as ``ops.PanelTable``): the experts for the
+  grouped panel kernel, the attention projections and the embedding for the panel matmul.
+
+Only the backend reads these types; checkpoints, the sharding rules and the model's tests see the
+canonical pytree.
+"""
+
+from __future__ import annotations
+
+import re
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from backends.cpu.ops import PanelTable, PanelWeight
+from model.quant import QuantizedWeight8bit, dequantize, is_quantized
+from model.sharding import path_str
+
+MOE_WEIGHT = re.compile(r"(.*/)?moe/(linear|linear_v|linear_1)/w")
+EMBEDDING = "language_model/in_out_embed/embeddings"
+PROJECTION = re.compile(r"(.*/)?multi_head_attention/(query|key|value|linear)/w")
+TRANSPOSED = ("linear_1",)  # down projections, [F, D] per expert, held as [D, F]
+
+
+@flax.struct.dataclass
+class ExpertWeights:
+    """One MoE weight ``[E, K, N]`` as E separate arrays: ``[K, N]`` each, or ``[N, K]`` each when
+    ``transposed`` (float weights only; a ``QuantizedWeight8bit`` expert keeps its layout)."""
+
+    experts: tuple
+    transposed: bool = flax.struct.field(pytree_node=False, default=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        one = tuple(self.experts[0].shape)
+        return (len(self.experts), *(one[::-1] if self.transposed else one))
+
+    def matmul(self, x, e: int, dtype):
+        """``x [..., K] @ W_e [K, N]`` in ``dtype``."""
+        w = self.experts[e]
+        if self.transposed:
+            return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())))
+        return x.astype(dtype) @ dequantize(w, dtype)
+
+
+LAYOUTS = (ExpertWeights, PanelWeight, PanelTable, QuantizedWeight8bit)
+
+
+def split(w, transpose: bool) -> ExpertWeights:
+    """A stacked ``[E, K, N]`` weight (float or int8) as an ``ExpertWeights`` (new buffers)."""
+    transpose = transpose and not is_quantized(w)
+    experts = tuple(jax.tree_util.tree_map(lambda a, e=e: a[e].T if transpose else a[e], w)
+                    for e in range(w.shape[0]))
+    return ExpertWeights(experts, transposed=transpose)
+
+
+def prepare(params, panels: frozenset):
+    """``params`` in the CPU layouts: every MoE weight split per expert, or, with ``"moe"`` in
+    ``panels`` and float32, in panels; the attention projections in panels with ``"projections"``
+    and the embedding with ``"unembed"`` (float32 only). Other leaves are unchanged."""
+
+    def one(path, w):
+        if isinstance(w, (ExpertWeights, PanelWeight, PanelTable)):
+            return w
+        name = path_str(path)
+        f32 = not is_quantized(w) and w.dtype == jnp.float32
+        if MOE_WEIGHT.fullmatch(name):
+            if "moe" in panels and f32:
+                return PanelWeight.of(w)
+            return split(w, name.split("/")[-2] in TRANSPOSED)
+        if name == EMBEDDING and "unembed" in panels and f32:
+            return PanelTable.of(w)
+        if PROJECTION.fullmatch(name) and "projections" in panels and f32 and w.ndim == 2:
+            return PanelWeight.of(w)
+        return w
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, LAYOUTS))
+
+
+def moe_weight_dtypes(params) -> set[str]:
+    """The dtypes the MoE weights of canonical ``params`` are held in ("int8" for ``QuantizedWeight8bit``)."""
+    found = set()
+    jax.tree_util.tree_map_with_path(
+        lambda path, w: found.add("int8" if is_quantized(w) else str(w.dtype))
+        if MOE_WEIGHT.fullmatch(path_str(path)) else None,
+        params, is_leaf=lambda x: isinstance(x, QuantizedWeight8bit))
+    return found

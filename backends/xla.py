@@ -1,0 +1,169 @@
+"""The pure-JAX backend: XLA's own operations, on any device and any mesh (the main path).
+
+A weight is a float array or an int8 record (``model.quant.QuantizedWeight8bit``); both give their
+value in a dtype by ``w.astype(dtype)``, so this module needs no model type.
+
+Shape suffixes as in ``model/``: B batch, T tokens, S key positions, N query heads, K KV heads
+(``k_BKSH``) or a contracting width (``x_RK``), H head size, R rows, E experts, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from backends.base import Backend
+
+_MASKED = -1e30  # Grok-1: masked attention logits are set to -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class XLA(Backend):
+    """XLA's operations. ``grouped``: how the MoE's grouped matmul runs.
+
+    - ``"ragged"``: ``jax.lax.ragged_dot``, one call over every expert's rows, the needed FLOPs
+      only where the compiler has a grouped kernel (GPU and TPU).
+    - ``"loop"``: per expert, its rows taken a few at a time into plain dots, in a loop on device
+      whose trip count is the group's size, so an expert no row chose is never read. For XLA:CPU,
+      which lowers ``ragged_dot`` densely: every row times every expert, after a transposed copy
+      of the whole stack, on each call (the HLO of ``ragged_dot`` on CPU; BENCHMARKS.md has the
+      measured cost).
+
+    ``"auto"`` (``for_platform``) is ``loop`` on CPU and ``ragged`` elsewhere.
+    """
+
+    grouped: str = "ragged"
+    name = "xla"
+
+    def __post_init__(self):
+        if self.grouped not in ("ragged", "loop"):
+            raise ValueError(f"XLA(grouped=...) must be 'ragged' or 'loop', got {self.grouped!r}")
+
+    @classmethod
+    def for_platform(cls, platform: str) -> "XLA":
+        return cls(grouped="loop" if platform == "cpu" else "ragged")
+
+    def describe(self) -> str:
+        how = "jax.lax.ragged_dot" if self.grouped == "ragged" else "a loop of dots per expert"
+        return f"xla (the MoE's grouped matmul: {how})"
+
+    def matmul(self, x, w, dtype):
+        return jnp.einsum("...M,MN->...N", x.astype(dtype), w.astype(dtype))
+
+    def embed(self, table, tokens, dtype):
+        return jnp.take(table, tokens, axis=0).astype(dtype)
+
+    def unembed(self, h, table, dtype):
+        return jnp.einsum("...D,VD->...V", h.astype(dtype), table.astype(dtype))
+
+    def grouped_matmul(self, x_RK, w, sizes_E, dtype):
+        if self.grouped == "ragged":
+            return jax.lax.ragged_dot(x_RK.astype(dtype), w.astype(dtype), sizes_E.astype(jnp.int32))
+        return loop_grouped_matmul(x_RK.astype(dtype), lambda x, e: x @ expert(w, e).astype(dtype),
+                                   sizes_E, w.shape[-1], dtype)
+
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap):
+        return attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap)
+
+    def sampling_cut(self, scaled_BV, top_k_B, nucleus_p_B):
+        return sorted_threshold(scaled_BV, top_k_B, nucleus_p_B)
+
+    def logits_summary(self, logits_BV, top):
+        values, ids = jax.lax.top_k(logits_BV, top)
+        return values, ids, jax.nn.logsumexp(logits_BV, axis=-1), argmax(logits_BV)
+
+
+def expert(w, e: int):
+    """Expert ``e`` of a stacked weight ``[E, K, N]`` (float or int8)."""
+    return jax.tree_util.tree_map(lambda a: a[e], w)
+
+
+def group_rows(rows: int, experts: int) -> int:
+    """Rows per dot in ``loop_grouped_matmul``: an expert's expected share of the rows, rounded up
+    to a multiple of 4 (at least 4, at most all rows). A fuller expert loops, reading its weights
+    again; padding rows cost compute. Measured at decode on the benchmark config, one share beat
+    two (batch 32: 63-66 ms against 72-80 ms a step with the panel kernel; batch 8 within noise)."""
+    return max(1, min(rows, max(4, -(-rows // (4 * experts)) * 4)))
+
+
+def loop_grouped_matmul(x_RK, matmul, sizes_E, n: int, dtype):
+    """Rows grouped by expert (``sizes_E[e]`` rows for expert e, in order), each group times its
+    expert: ``matmul(x_rows, e)``. Per expert (a static loop) its rows go ``group_rows`` at a time
+    into one dot each, in a ``fori_loop`` with the group's trip count (a ``cond`` where one dot
+    takes every row), so an expert with no rows is skipped and its weights never read. Rows past
+    the groups are zero. ``[R, n]`` in ``dtype``."""
+    r = x_RK.shape[0]
+    experts = sizes_E.shape[0]
+    rows = group_rows(r, experts)
+    sizes_E = sizes_E.astype(jnp.int32)
+    starts_E = jnp.cumsum(sizes_E) - sizes_E
+    x_RK = jnp.pad(x_RK, ((0, rows), (0, 0)))  # every dot's slice stays in bounds
+    out_RN = jnp.zeros((r + rows, n), dtype)
+    for e in range(experts):
+        def group(g, out_RN, e=e):
+            start = starts_E[e] + g * rows
+            y = matmul(jax.lax.dynamic_slice_in_dim(x_RK, start, rows), e)  # the expert's slice is taken here:
+            real = g * rows + jnp.arange(rows) < sizes_E[e]                 # made only if this runs
+            y = jnp.where(real[:, None], y, 0).astype(dtype)
+            return jax.lax.dynamic_update_slice_in_dim(
+                out_RN, jax.lax.dynamic_slice_in_dim(out_RN, start, rows) + y, start, 0)
+
+        if r <= rows:  # a cond, not a loop: XLA hoisted a one-dot loop's body and ran every expert
+            out_RN = jax.lax.cond(sizes_E[e] > 0, lambda out, group=group: group(0, out), lambda out: out, out_RN)
+        else:  # one body for all dots keeps the compile time of a layer down
+            out_RN = jax.lax.fori_loop(0, -(-sizes_E[e] // rows), group, out_RN)
+    return out_RN[:r]
+
+
+def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float):
+    """Grouped-query attention of queries ``q [B, T, N, H]`` (rotated) over the first S positions
+    of keys and values ``[B, K, S_max, H]`` where ``mask [B, T, S]`` allows: ``[B, T, N, H]`` in
+    q's dtype. Grok-1: logits times ``scale``, soft-capped at ``cap * tanh(x / cap)``, masked to
+    -1e30, softmax in float32."""
+    b, t, n, h = q_BTNH.shape
+    s, dtype = mask_BTS.shape[-1], q_BTNH.dtype
+    k, g = k_BKSH.shape[1], n // k_BKSH.shape[1]
+    # read only the S positions the mask covers (a bucket of the cache), in q's dtype
+    k_BKSH, v_BKSH = k_BKSH[:, :, :s].astype(dtype), v_BKSH[:, :, :s].astype(dtype)
+    # GQA: query head j uses KV head j // g (contiguous groups of g query heads).
+    q_BTKGH = q_BTNH.reshape(b, t, k, g, h)
+    logits_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH).astype(jnp.float32)
+    logits_BKGTS = logits_BKGTS * scale
+    logits_BKGTS = cap * jnp.tanh(logits_BKGTS / cap)
+    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
+    weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dtype)  # softmax in float32
+    # per (row, KV head) a plain [G*T, S] @ [S, H] matmul; the small result is transposed after
+    out_BTKGH = jnp.einsum("BKGTS,BKSH->BKGTH", weights_BKGTS, v_BKSH).transpose(0, 3, 1, 2, 4)
+    return out_BTKGH.reshape(b, t, n, h)
+
+
+def sorted_threshold(scaled_BV, top_k_B, nucleus_p_B):
+    """The smallest tempered logit that top-k (``top_k``, 0 = off) then top-p (``nucleus_p``,
+    >= 1 = off) keep, by sorting each row: the reference rule. Top-p keeps a token while the mass
+    of the tokens before it, in the softmax of the top-k survivors, is below p; the most likely
+    token always survives (p -> 0 is argmax)."""
+    v = scaled_BV.shape[-1]
+    sorted_BV = -jnp.sort(-scaled_BV, axis=-1)  # descending
+    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, v), v)
+    kth_B = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)[:, 0]
+    # nucleus over the top-k survivors: keep a token while the mass before it is below p
+    in_top_k_BV = jnp.arange(v)[None, :] < k_B[:, None]
+    shifted_BV = jnp.where(in_top_k_BV, sorted_BV - sorted_BV[:, :1], -jnp.inf)  # max-subtracted
+    probs_BV = jax.nn.softmax(shifted_BV, axis=-1)
+    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    # p >= 1 is off: float32's cumulative sum reaches 1 before the tail does and would cut it
+    keep_BV = ((mass_before_BV < nucleus_p_B[:, None]) | (nucleus_p_B[:, None] >= 1)) & in_top_k_BV
+    keep_BV = keep_BV.at[:, 0].set(True)  # the most likely token always survives (p -> 0 is argmax)
+    last_kept_B = jnp.sum(keep_BV, axis=-1) - 1
+    threshold_B = jnp.take_along_axis(sorted_BV, last_kept_B[:, None], axis=-1)[:, 0]
+    return jnp.maximum(threshold_B, kth_B)
+
+
+def argmax(x_BV):
+    """``jnp.argmax`` over the last axis (first index among ties), as two plain reductions:
+    XLA:CPU runs the single (value, index) reduction of ``jnp.argmax`` 3-4x slower."""
+    v = x_BV.shape[-1]
+    first_B = jnp.min(jnp.where(x_BV == jnp.max(x_BV, axis=-1, keepdims=True), jnp.arange(v), v), axis=-1)
+    return jnp.minimum(first_B, v - 1)  # a row of NaNs has no maximum: its last index, never out of range

@@ -1,0 +1,101 @@
+"""Which backend (``backends/``) a runner uses, and why: ``choose("auto" | "xla" | "cpu", ...)``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from backends import XLA, Backend
+
+BACKENDS = ("auto", "xla", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The backend chosen, why, and for the CPU backend each operation's ``Choice`` (measured,
+    forced, or declined with the reason)."""
+
+    backend: Backend
+    reason: str
+    choices: dict = dataclasses.field(default_factory=dict)
+
+    def report(self) -> str:
+        lines = [f"backend: {self.backend.describe()} ({self.reason})"]
+        lines += [choice.describe() for choice in self.choices.values()]
+        return "\n".join(lines)
+
+
+def _place(mesh) -> tuple[str, int]:
+    return mesh.devices.flat[0].platform, mesh.size
+
+
+def one_cpu_device(mesh) -> bool:
+    """Whether ``mesh`` is one CPU device: where the CPU backend runs."""
+    return _place(mesh) == ("cpu", 1)
+
+
+def start(requested: str, mesh) -> None:
+    """Before restoring a checkpoint: start building the CPU kernels in the background where the
+    CPU backend may take them, so the compiler runs while the weights load."""
+    if requested != "xla" and one_cpu_device(mesh):
+        from backends.cpu import build
+
+        build.prebuild()
+
+
+def choose(requested: str, mesh, config, params, batch: int, calibration_tokens: int | None = None) -> Selection:
+    """The backend for ``config`` and its canonical ``params`` served on ``mesh`` with ``batch`` slots.
+
+    - ``"xla"``: pure JAX, on any mesh.
+    - ``"cpu"``: one CPU device and every C++ kernel; ``ValueError`` saying why where that cannot
+      run (another device or several, no compiler, activations or experts not float32, heads the
+      attention kernel does not take).
+    - ``"auto"``: the CPU backend on one CPU device, each kernel taken only where it was measured
+      faster than XLA's op on this CPU at this model's shapes (``backends.cpu.calibration``, cached
+      beside the kernel library); XLA elsewhere.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    platform, size = _place(mesh)
+    if requested == "xla":
+        return Selection(XLA.for_platform(platform), "backend='xla'")
+    if not one_cpu_device(mesh):
+        where = f"the mesh has {size} {platform} device{'s' if size > 1 else ''}"
+        if requested == "cpu":
+            raise ValueError(f"backend='cpu' runs on one CPU device; {where}")
+        return Selection(XLA.for_platform(platform), f"auto: {where}")
+
+    from backends.cpu import CPU, OPERATIONS, build, calibration
+    from backends.cpu.layout import moe_weight_dtypes
+    from backends.cpu.ops import MAX_GROUP, MAX_HEAD, decode_attention_fits
+
+    c = config
+    needs = {op: [] for op in OPERATIONS}  # why each kernel cannot run here
+    reason = build.unavailable_reason()
+    for op in OPERATIONS:
+        if reason:
+            needs[op].append(reason)
+    for op in calibration.WEIGHT_OPERATIONS:
+        if jnp.dtype(c.fprop_dtype) != jnp.float32:
+            needs[op].append(f"float32 activations (they are {c.fprop_dtype})")
+    held = sorted(moe_weight_dtypes(params) - {"float32"})
+    if held:
+        needs["moe"].append(f"float32 experts, and these are {', '.join(held)} (dequantize=True converts int8 at load)")
+    if not decode_attention_fits(c.num_q_heads, c.num_kv_heads, c.key_size):
+        needs["attention"].append(f"head sizes up to {MAX_HEAD} and at most {MAX_GROUP} query heads a KV head")
+    if requested == "cpu":
+        blocked = {op: why for op, why in needs.items() if why}
+        if blocked:
+            raise ValueError("backend='cpu' takes every CPU kernel, and " + "; ".join(
+                f"{op} needs {', '.join(why)}" for op, why in blocked.items()))
+        choices = {op: calibration.Choice(op, True, reason="backend='cpu'") for op in OPERATIONS}
+        return Selection(CPU(on=frozenset(OPERATIONS)), "backend='cpu'", choices)
+    choices = {op: calibration.Choice(op, False, reason="it needs " + "; ".join(why)) for op, why in needs.items() if why}
+    to_measure = [op for op in OPERATIONS if op not in choices]
+    if to_measure:
+        tokens = calibration_tokens or min(256, c.sequence_len)
+        choices.update(calibration.calibrate(to_measure, c, batch, tokens, tokens))
+    choices = {op: choices[op] for op in OPERATIONS}
+    on = frozenset(op for op, choice in choices.items() if choice.kernel)
+    return Selection(CPU(on=on), "auto: one CPU device; each kernel where measured faster here", choices)

@@ -1,0 +1,29 @@
+"""The backends the model's tests run on: the pure-JAX one both ways its MoE runs, and the CPU
+backend with and without its C++ kernels (skipped where they cannot be built)."""
+
+import pytest
+
+from backends import XLA
+from backends.cpu import CPU, OPERATIONS, build
+
+NAMES = ["xla", "xla-loop", "cpu", "cpu-kernels"]
+
+
+def backend(name: str):
+    if name == "xla":
+        return XLA()  # the MoE on jax.lax.ragged_dot, as on accelerators
+    if name == "xla-loop":
+        return XLA(grouped="loop")
+    if name == "cpu":
+        return CPU()  # experts split per expert, XLA's ops
+    if name == "cpu-kernels":
+        if not build.available():
+            pytest.skip(f"the CPU kernels are unavailable: {build.unavailable_reason()}")
+        return CPU(on=frozenset(OPERATIONS))
+    raise ValueError(name)
+
+
+def arranged(params, name: str):
+    """(backend, params in its layout) for the backend called ``name``."""
+    chosen = backend(name)
+    return chosen, chosen.prepare(params)
