@@ -55,11 +55,10 @@ class LanguageModelHead(nn.Module):
 
     def embed(self, tokens_BT):
         c = self.config
-        # Grok-1 (the published code, as its bf16 outputs show): the float32 rows times the
-        # multiplier held in the activation dtype, rounded to that dtype after the product.
-        x_BTD = self.backend.embed(self.in_out_embed.embeddings, tokens_BT, jnp.float32)
-        x_BTD = (x_BTD * jnp.asarray(c.embedding_multiplier_scale, c.dtype)).astype(c.dtype)
-        return constrain(x_BTD, RESIDUAL)
+        # Grok-1 (model.py, LanguageModel.__call__): the rows cast to the activation dtype, then
+        # scaled by sqrt(D) in it: ``in_out_embed(tokens).astype(fprop_dtype) * multiplier``.
+        x_BTD = self.backend.embed(self.in_out_embed.embeddings, tokens_BT, c.dtype)
+        return constrain(x_BTD * jnp.asarray(c.embedding_multiplier_scale, c.dtype), RESIDUAL)
 
     def unembed(self, h_BTD):
         c = self.config
