@@ -19,7 +19,7 @@ import numpy as np
 from backends.xla import XLA
 from model.config import ModelConfig
 from model.quant import QuantizedWeight8bit, dequantize
-from model.sharding import constrain
+from model.partitioning import constrain
 
 RESIDUAL = ("batch", "seq", "act_embed")
 CACHE = ("batch", "cache_kv_heads", "cache_sequence", "head_dim")
@@ -53,9 +53,12 @@ def held_in_layout(scope: nn.Module, name: str, shape: tuple[int, ...]):
 
 class Weight(nn.Module):
     """One weight ``w`` (float, int8, or in a backend's layout), like a bias-free Haiku ``Linear``
-    without the matmul."""
+    without the matmul. Its one declaration: the shape (from the config), the logical axes (one
+    per dimension, mapped to mesh axes by ``model.partitioning``'s rules) and the initialiser
+    (fan-in scaled normal, float32)."""
 
     shape: tuple[int, ...]
+    axes: tuple[str, ...]
     fan_in_axes: tuple[int, ...] = (-2,)
 
     @nn.compact
@@ -63,7 +66,15 @@ class Weight(nn.Module):
         held = held_in_layout(self, "w", self.shape)
         if held is not None:
             return held
-        return self.param("w", _fan_in_normal(self.fan_in_axes), self.shape, jnp.float32)
+        return declare(self, "w", _fan_in_normal(self.fan_in_axes), self.shape, self.axes)
+
+
+def declare(module: nn.Module, name: str, init, shape: tuple[int, ...], axes: tuple[str, ...]):
+    """A float32 parameter of ``module`` with its logical axes attached (Flax's logical
+    partitioning metadata: ``init`` returns them boxed, ``apply`` sees the plain array)."""
+    if len(axes) != len(shape):
+        raise ValueError(f"{module.scope.path_text}/{name}: {len(shape)} dimensions but axes {axes}")
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
 class RMSNorm(nn.Module):
@@ -73,7 +84,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        scale = declare(self, "scale", nn.initializers.ones, (x.shape[-1],), ("norm",))
         x32 = x.astype(jnp.float32)  # norms in float32
         ms = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
         return (scale.astype(jnp.float32) * x32 * jax.lax.rsqrt(ms + self.eps)).astype(x.dtype)
@@ -109,13 +120,13 @@ class MultiHeadAttention(nn.Module):
         d, n, k, h = c.emb_size, c.num_q_heads, c.num_kv_heads, c.key_size
         dtype = x_BTD.dtype
         b, t, _ = x_BTD.shape
-        wq = Weight((d, n * h), name="query")()
-        wo = Weight((n * h, d), name="linear")()
+        wq = Weight((d, n * h), ("embed", "q_heads"), name="query")()
+        wo = Weight((n * h, d), ("q_heads", "embed"), name="linear")()
         q_BTNH = constrain(backend.matmul(x_BTD, wq, dtype).reshape(b, t, n, h),
                            ("batch", "seq", "act_heads", "head_dim"))
-        k_BTKH = constrain(backend.matmul(x_BTD, Weight((d, k * h), name="key")(), dtype).reshape(b, t, k, h),
+        k_BTKH = constrain(backend.matmul(x_BTD, Weight((d, k * h), ("embed", "kv_heads"), name="key")(), dtype).reshape(b, t, k, h),
                            ("batch", "seq", "act_kv_heads", "head_dim"))
-        v_BTKH = constrain(backend.matmul(x_BTD, Weight((d, k * h), name="value")(), dtype).reshape(b, t, k, h),
+        v_BTKH = constrain(backend.matmul(x_BTD, Weight((d, k * h), ("embed", "kv_heads"), name="value")(), dtype).reshape(b, t, k, h),
                            ("batch", "seq", "act_kv_heads", "head_dim"))
         # The same positions (cache step + t) rotate queries and keys.
         q_BTNH = rotary_embedding(q_BTNH, positions_BT, c.rope_base)
@@ -159,8 +170,9 @@ class MoELayer(nn.Module):
         d, f, e, top = c.emb_size, c.ffn_size, c.num_experts, c.num_selected_experts
         dtype = x_BTD.dtype
         b, t, _ = x_BTD.shape
-        weights = (Weight((e, d, f), name="linear")(), Weight((e, d, f), name="linear_v")(),
-                   Weight((e, f, d), name="linear_1")())
+        weights = (Weight((e, d, f), ("experts", "embed", "mlp"), name="linear")(),
+                   Weight((e, d, f), ("experts", "embed", "mlp"), name="linear_v")(),
+                   Weight((e, f, d), ("experts", "mlp", "embed"), name="linear_1")())
         gates_BTk, idx_BTk = jax.lax.top_k(probs_BTE, top)
         # Grok-1 casts the gates to bf16; here they take the activation dtype (equal in bf16 mode,
         # and exact in fp32: the reference's own fp32 h_out is closer this way, see README).
@@ -210,7 +222,7 @@ class DecoderLayer(nn.Module):
         h_BTD = constrain(h_BTD + RMSNorm(c.rms_norm_eps, name="rms_norm_1")(attn_BTD), RESIDUAL)
 
         x_BTD = RMSNorm(c.rms_norm_eps, name="rms_norm_2")(h_BTD)
-        w_router = Weight((c.emb_size, c.num_experts), name="router")()
+        w_router = Weight((c.emb_size, c.num_experts), ("embed", "router_experts"), name="router")()
         # Router in float32: logits and softmax over all experts (Grok-1 keeps it float32).
         router_logits = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32),
                                    dequantize(w_router, jnp.float32))

@@ -8,6 +8,7 @@ tree: ``{"language_model": {"in_out_embed": {"embeddings"}, "rms_norm": {"scale"
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -17,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
-from model.layers import DEFAULT_BACKEND, RESIDUAL, DecoderLayer, RMSNorm, held_in_layout
+from model.layers import DEFAULT_BACKEND, RESIDUAL, DecoderLayer, RMSNorm, declare, held_in_layout
 from model.memory import KVMemory
-from model.sharding import constrain
+from model.partitioning import constrain
 
 
 @flax.struct.dataclass
@@ -39,8 +40,8 @@ class InOutEmbed(nn.Module):
         if held is not None:
             self.embeddings = held
         else:
-            self.embeddings = self.param(
-                "embeddings", nn.initializers.normal(1.0), (self.vocab_size, self.emb_size), jnp.float32)
+            self.embeddings = declare(self, "embeddings", nn.initializers.normal(1.0),
+                                      (self.vocab_size, self.emb_size), ("vocab", "embed_table"))
 
 
 class LanguageModelHead(nn.Module):
@@ -183,4 +184,15 @@ def _apply(params, tokens, memory, lengths, *, config, last_only, backend, kv_le
 def init_params(config: ModelConfig, rng) -> dict:
     """Fresh random parameters (fan-in scaled normals, unit norm scales) in float32."""
     dummy = jnp.zeros((1, 1), jnp.int32)
-    return LanguageModel(config).init(rng, dummy)["params"]
+    return nn.meta.unbox(LanguageModel(config).init(rng, dummy)["params"])
+
+
+def declared_params(config: ModelConfig, num_layers: int | None = None) -> dict[str, tuple[tuple, tuple]]:
+    """``path -> (shape, logical axes)`` of every parameter, as the layers declare them (an
+    abstract init: nothing is allocated). ``num_layers`` overrides the config's."""
+    if num_layers is not None:
+        config = dataclasses.replace(config, num_layers=num_layers)
+    boxed = jax.eval_shape(lambda: LanguageModel(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
+    leaves = jax.tree_util.tree_flatten_with_path(
+        boxed["params"], is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]
+    return {"/".join(str(k.key) for k in path): (tuple(box.value.shape), tuple(box.names)) for path, box in leaves}

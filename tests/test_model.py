@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,7 +156,7 @@ def test_moe_equals_per_token_loop(quantized, name, experts, top):
     config = dataclasses.replace(TINY, num_experts=experts, num_selected_experts=top)
     x = jax.random.normal(jax.random.PRNGKey(10), (2, 5, config.emb_size))
     probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(11), (2, 5, experts)) * 3)
-    params = MoELayer(config).init(jax.random.PRNGKey(12), x, probs)["params"]
+    params = nn.meta.unbox(MoELayer(config).init(jax.random.PRNGKey(12), x, probs)["params"])
     if quantized:
         params = quantize_params(params, groups=4)
     backend, used = arranged({"moe": params}, name)
@@ -173,7 +174,7 @@ def test_grouped_moe_loops_when_one_expert_gets_more_than_a_group(name):
     x = jax.random.normal(jax.random.PRNGKey(13), (4, 10, config.emb_size))
     logits = jax.random.normal(jax.random.PRNGKey(14), (4, 10, 8)).at[..., :2].add(20.0)
     probs = jax.nn.softmax(logits)
-    params = MoELayer(config).init(jax.random.PRNGKey(15), x, probs)["params"]
+    params = nn.meta.unbox(MoELayer(config).init(jax.random.PRNGKey(15), x, probs)["params"])
     backend, used = arranged({"moe": params}, name)
     got = np.asarray(MoELayer(config, backend).apply({"params": used["moe"]}, x, probs)).reshape(40, -1)
     want = slow_moe(np.asarray(x).reshape(40, -1), np.asarray(probs).reshape(40, -1), params, 2)

@@ -75,8 +75,25 @@ def test_golden_grok1_layout_on_a_1x8_mesh():
     assert kv.k[0] == P("data", "model", None, None) and kv.step == P("data")
 
 
+def test_each_weight_is_declared_once_and_everything_derives_from_it():
+    """The layers declare shape, axes and init together; the parameters, the abstract shapes, the
+    checkpoint checks and the shardings all read that one declaration."""
+    from checkpoints.materialize import declared_shapes
+    from model.plan import abstract_params
+    from model.transformer import declared_params
+
+    declared = declared_params(GROK_1)
+    assert len(declared) == 2 + 64 * 12  # embedding and final norm; per layer 4 norms, 4 attention, router, 3 experts
+    shapes = {path_str(p): tuple(leaf.shape)
+              for p, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(GROK_1))[0]}
+    assert shapes == {path: shape for path, (shape, _) in declared.items()} == declared_shapes(GROK_1)
+    for path, (shape, axes) in declared.items():
+        assert logical_axes(path) == axes and len(axes) == len(shape), path
+    assert declared["transformer/decoder_layer_63/moe/linear_1/w"] == ((8, 32768, 6144), ("experts", "mlp", "embed"))
+
+
 def test_a_leaf_without_a_rule_is_an_error():
-    with pytest.raises(ValueError, match="'transformer/decoder_layer_0/moe/bias' has no logical-axes"):
+    with pytest.raises(ValueError, match="'transformer/decoder_layer_0/moe/bias' is declared by no layer"):
         logical_axes("transformer/decoder_layer_0/moe/bias")
     with pytest.raises(ValueError, match="no entry for logical axes"):
         param_specs({"language_model": {"rms_norm": {"scale": jnp.zeros(4)}}}, rules={})
