@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,9 @@ class ModelRunner:
     # Where the operations run (backends/): "xla" (pure JAX, any mesh), "cpu" (one CPU device, every
     # C++ kernel; ValueError where it cannot run), or "auto": the CPU backend on one CPU device
     # with each kernel taken only where measured faster than XLA's op on this CPU, XLA elsewhere.
-    backend: str = "auto"
+    # Default: $GROK_RUNNER_BACKEND, else "auto" (the variable runs a whole program, or the test
+    # suite, on one backend).
+    backend: str = dataclasses.field(default_factory=lambda: os.environ.get("GROK_RUNNER_BACKEND") or "auto")
     # Prompt tokens per prefill call and cache positions per decode step that the calibration
     # times the kernels at (default: 256 of each, or sequence_len if shorter).
     calibration_tokens: int | None = None

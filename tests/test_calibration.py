@@ -50,7 +50,7 @@ def test_the_runner_declines_a_kernel_the_calibration_finds_slower(tiny_params, 
 
     measure.calls = 0
     monkeypatch.setattr(calibration, "_measure", measure)
-    engine = ModelRunner(model=TINY, params=tiny_params)
+    engine = ModelRunner(model=TINY, params=tiny_params, backend="auto")
     engine.initialize()
     assert measure.calls == 1
     assert engine.selection.backend.on == set(OPERATIONS) - slower, engine.backend_report()
@@ -63,11 +63,11 @@ def test_the_runner_declines_a_kernel_the_calibration_finds_slower(tiny_params, 
     # the measurement is cached beside the library: a second runner of the same shapes only reads it
     cached = json.loads(private_cache.read_text())
     assert len(cached) == 8 and all(entry["kernel_s"] > 0 for entry in cached.values())
-    again = ModelRunner(model=TINY, params=tiny_params)
+    again = ModelRunner(model=TINY, params=tiny_params, backend="auto")
     again.initialize()
     assert measure.calls == 1 and again.backend_report() == engine.backend_report()
     # another batch size is another shape: measured once more
-    ModelRunner(model=TINY, params=tiny_params, bs_per_device=2).initialize()
+    ModelRunner(model=TINY, params=tiny_params, bs_per_device=2, backend="auto").initialize()
     assert measure.calls == 2
 
     # the model still computes the same with its mixed layouts

@@ -200,12 +200,13 @@ def test_backend_xla_keeps_the_canonical_parameters():
 
 def test_auto_keeps_xla_ops_where_a_kernel_does_not_apply():
     params = init_params(TINY, jax.random.PRNGKey(0))
-    bf16 = ModelRunner(model=dataclasses.replace(TINY, fprop_dtype="bfloat16"), params=params, calibration_tokens=8)
+    bf16 = ModelRunner(model=dataclasses.replace(TINY, fprop_dtype="bfloat16"), params=params, calibration_tokens=8,
+                       backend="auto")
     bf16.initialize()
     assert isinstance(_moe_weight(bf16), ExpertWeights)  # the CPU backend's split layout, no panels
     assert "float32 activations (they are bfloat16)" in bf16.backend_report()
     mesh = make_mesh((1, 2), jax.devices()[:2])
-    sharded = ModelRunner(model=TINY, params=params, mesh=mesh)
+    sharded = ModelRunner(model=TINY, params=params, mesh=mesh, backend="auto")
     sharded.initialize()
     assert sharded.selection.backend == XLA(grouped="loop")
     assert "auto: the mesh has 2 cpu devices" in sharded.backend_report()
@@ -222,7 +223,7 @@ def test_auto_keeps_xla_ops_where_a_kernel_does_not_apply():
 def test_without_the_kernels_the_cpu_backend_keeps_xla_ops(monkeypatch):
     monkeypatch.setattr(build, "_build", lambda: "no C++ compiler found (test)")
     params = init_params(TINY, jax.random.PRNGKey(0))
-    engine = ModelRunner(model=TINY, params=params)
+    engine = ModelRunner(model=TINY, params=params, backend="auto")
     engine.initialize()
     assert engine.selection.backend == CPU()
     assert isinstance(_moe_weight(engine), ExpertWeights)
