@@ -99,16 +99,16 @@ def decode_bytes(config, params, batch: int, context: int) -> int:
 
 
 def prefill_flops(config, tokens: int) -> float:
-    """FLOPs a prefill of ``tokens`` needs: the active parameters (the selected experts only) and
-    the causal attention scores and values."""
+    """FLOPs a prefill of ``tokens`` needs: the active parameters (the selected experts only), the
+    causal attention scores and values, and the last token's unembedding (a prefill samples one)."""
     c = config
     d, h = c.emb_size, c.key_size
     attention = d * (c.num_q_heads + 2 * c.num_kv_heads) * h + c.num_q_heads * h * d
     experts = c.num_selected_experts * 3 * d * c.ffn_size
     router = d * c.num_experts
-    per_token = c.num_layers * (attention + experts + router) + c.vocab_size * d
+    per_token = c.num_layers * (attention + experts + router)
     scores = c.num_layers * 2 * c.num_q_heads * h * tokens * (tokens + 1) / 2  # q.k and p.v, causal
-    return 2.0 * tokens * per_token + 2.0 * scores
+    return 2.0 * tokens * per_token + 2.0 * scores + 2.0 * c.vocab_size * d  # the last token unembedded
 
 
 def dense_moe(config):
