@@ -57,6 +57,8 @@ def workload(n: int, seed: int, tokenizer) -> list[tuple[str, int]]:
 
 
 def percentile(values, q):
+    """The q-th percentile of the finite values (a stream that carried no text has no TTFT)."""
+    values = [v for v in values if np.isfinite(v)]
     return float(np.percentile(values, q)) if values else float("nan")
 
 
@@ -95,7 +97,8 @@ async def load(url: str, work, rate: float, seed: int, model: str = "austen-moe"
         client_cpu = time.process_time() - cpu_start  # this process: the load generator's own cost
     itl = [x for r in results for x in r["itl"]]
     tokens = sum(r["tokens"] for r in results)
-    return {"rate": rate, "requests": len(results), "duration_s": duration, "client_cpu_cores": client_cpu / duration, "request_per_s": len(results) / duration,
+    empty = sum(not np.isfinite(r["ttft"]) for r in results)  # finished without one chunk of text
+    return {"rate": rate, "requests": len(results), "empty_streams": empty, "duration_s": duration, "client_cpu_cores": client_cpu / duration, "request_per_s": len(results) / duration,
             "output_tokens_per_s": tokens / duration, "output_tokens": tokens,
             **{f"{name}_p{q}_ms": percentile([r[name] for r in results], q) * 1e3
                for name in ("ttft", "tpot") for q in (50, 99)},
@@ -147,7 +150,9 @@ def rate_table(url: str, model: str, rates, requests: int, tokenizer) -> list[di
         rows.append(row)
         print(f"| {rate:g} | {row['request_per_s']:.2f} | {row['output_tokens_per_s']:.1f} | "
               f"{row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} | {row['tpot_p50_ms']:.1f} / "
-              f"{row['tpot_p99_ms']:.1f} | {row['itl_p50_ms']:.1f} / {row['itl_p99_ms']:.1f} |", flush=True)
+              f"{row['tpot_p99_ms']:.1f} | {row['itl_p50_ms']:.1f} / {row['itl_p99_ms']:.1f} |"
+              + (f" {row['empty_streams']} of {row['requests']} streams carried no text" if row["empty_streams"] else ""),
+              flush=True)
     return rows
 
 
