@@ -32,7 +32,8 @@ class CPU(XLA):
 
     def describe(self) -> str:
         kernels = ", ".join(op for op in OPERATIONS if op in self.on) or "none"
-        return f"cpu (on the C++ kernels: {kernels}; experts split per expert)"
+        experts = "in panels" if "moe" in self.on else "split per expert"
+        return f"cpu (on the C++ kernels: {kernels}; experts {experts})"
 
     def prepare(self, params):
         return layout.prepare(params, frozenset(self.on))
