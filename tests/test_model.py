@@ -281,3 +281,27 @@ def test_init_params_shapes_follow_grok1_names():
     assert params["language_model"]["in_out_embed"]["embeddings"].shape == (TINY.vocab_size, d)
     assert set(layer) == {"moe", "multi_head_attention", "router", "rms_norm", "rms_norm_1",
                           "rms_norm_2", "rms_norm_3"}
+
+
+def test_the_moe_on_ragged_dot_has_the_gradient_of_every_expert_on_every_token():
+    """Training runs the MoE on jax.lax.ragged_dot: its gradient must be that of the plain
+    definition (every expert on every token, combined by the top-k gates)."""
+    config = dataclasses.replace(TINY, num_experts=4, num_selected_experts=2)
+    x = jax.random.normal(jax.random.PRNGKey(20), (2, 6, config.emb_size))
+    probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(21), (2, 6, 4)) * 3)
+    params = nn.meta.unbox(MoELayer(config).init(jax.random.PRNGKey(22), x, probs)["params"])
+
+    def dense(p, x):
+        gates, idx = jax.lax.top_k(probs, 2)
+        combine = jnp.einsum("BTk,BTkE->BTE", gates, jax.nn.one_hot(idx, 4))
+        hidden = jax.nn.gelu(jnp.einsum("BTD,EDF->BTEF", x, p["linear"]["w"]), approximate=True) * jnp.einsum(
+            "BTD,EDF->BTEF", x, p["linear_v"]["w"])
+        return jnp.einsum("BTE,BTED->BTD", combine, jnp.einsum("BTEF,EFD->BTED", hidden, p["linear_1"]["w"]))
+
+    def ragged(p, x):
+        return MoELayer(config, XLA(grouped="ragged")).apply({"params": p}, x, probs)
+
+    loss = lambda f: lambda p, x: jnp.sum(jnp.sin(f(p, x)))  # noqa: E731
+    got = jax.grad(loss(ragged), argnums=(0, 1))(params, x)
+    want = jax.grad(loss(dense), argnums=(0, 1))(params, x)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), got, want)
