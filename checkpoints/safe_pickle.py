@@ -9,11 +9,21 @@ the interpreter only records what each array's dtype, shape and raw-bytes offset
 is then read (or memory-mapped, for lazily sliced reads of large tensors) straight from the file.
 Anything else (another global, an opcode outside the small set numpy's pickles use, an object
 dtype, a truncated file) is a ``CheckpointError`` naming the file and what it asked for.
+
+A malformed or hostile stream is one too, never another exception and never a crash: every pop
+checks the stack, containers nest at most ``MAX_DEPTH`` deep and the stack holds at most
+``MAX_STACK`` items, dictionary keys must be strings (nothing the file built is ever hashed or
+printed), a declared length is checked against the bytes left before anything is read or
+allocated, text is decoded with its errors caught, and sizes are Python integers checked against
+the bytes the file actually holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import stat
 import struct
 
 import ml_dtypes
@@ -22,6 +32,19 @@ import numpy as np
 
 class CheckpointError(ValueError):
     """A checkpoint file or directory that cannot be loaded safely and exactly."""
+
+
+def regular_file(path: str, what: str) -> None:
+    """``CheckpointError`` unless ``path`` is a regular file (a FIFO would block the reader forever)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "not a regular file")
+        raise CheckpointError(f"{path}: {what} is {kind}, not a regular file")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +59,7 @@ class ArrayRecord:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # Python integers: never overflows
 
     def memmap(self) -> np.ndarray:
         """A read-only view of the array on disk (no bytes read until sliced)."""
@@ -97,10 +120,13 @@ class _Quantized:
 
 
 _MARK = object()
+MAX_DEPTH = 32  # containers within containers: a numpy pickle nests 3 deep
+MAX_STACK = 100_000  # items on the stack (marks included)
 
 
 def read_pickled_tensor(path: str) -> ArrayRecord | QuantizedRecord:
     """Interpret the pickle at ``path``; return where its array(s) lie. Never executes code."""
+    regular_file(path, "checkpoint file")
     try:
         with open(path, "rb") as f:
             size = f.seek(0, 2)
@@ -116,13 +142,17 @@ class _Interpreter:
         self.path, self.size = path, size
         self.file = open(path, "rb")
         self.pos = 0
+        self.op_start = 0  # the offset of the opcode being interpreted, for errors
         self.stack: list = []
         self.memo: dict[int, object] = {}
+        self.depths: dict[int, int] = {}  # id -> nesting depth of the containers built here
 
     def error(self, message: str) -> CheckpointError:
-        return CheckpointError(f"{self.path}: {message}")
+        return CheckpointError(f"{self.path}: {message} (opcode at byte offset {self.op_start})")
 
     def read(self, n: int) -> bytes:
+        if n > self.size - self.pos:  # checked before anything is allocated
+            raise self.error(f"truncated file (wanted {n} bytes at offset {self.pos}, file has {self.size})")
         self.file.seek(self.pos)
         data = self.file.read(n)
         if len(data) != n:
@@ -130,8 +160,43 @@ class _Interpreter:
         self.pos += n
         return data
 
+    def text(self, n: int) -> str:
+        try:
+            return self.read(n).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.error(f"malformed pickle: a string that is not UTF-8 ({e.reason})") from None
+
+    def push(self, obj) -> None:
+        if len(self.stack) >= MAX_STACK:
+            raise self.error(f"malformed pickle: more than {MAX_STACK} items on the stack")
+        self.stack.append(obj)
+
+    def pop(self):
+        if not self.stack or self.stack[-1] is _MARK:
+            raise self.error("malformed pickle: an opcode needs an item the stack does not hold")
+        return self.stack.pop()
+
+    def top(self):
+        if not self.stack:
+            raise self.error("malformed pickle: an opcode needs an item the stack does not hold")
+        return self.stack[-1]
+
+    def depth(self, obj) -> int:
+        return self.depths.get(id(obj), 0)
+
+    def container(self, obj, items):
+        """``obj`` (a tuple, list or dict just built from ``items``), its depth checked and kept."""
+        depth = 1 + max((self.depth(item) for item in items), default=0)
+        if depth > MAX_DEPTH:
+            raise self.error(f"malformed pickle: containers nested more than {MAX_DEPTH} deep")
+        self.depths[id(obj)] = max(depth, self.depth(obj))
+        self.keep.append(obj)  # alive while interpreting, so its id is never reused
+        return obj
+
     def unpack(self, fmt: str):
         return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
+
+    keep: list
 
     def pop_mark(self) -> list:
         for i in range(len(self.stack) - 1, -1, -1):
@@ -151,8 +216,14 @@ class _Interpreter:
         return _Payload(offset, n)
 
     def run(self):
+        self.keep = []
         try:
             return self._run()
+        except CheckpointError:
+            raise
+        except (IndexError, KeyError, TypeError, ValueError, OverflowError, MemoryError, RecursionError,
+                struct.error) as e:  # defence in depth: each case above is checked where it arises
+            raise self.error(f"malformed pickle ({type(e).__name__})") from None
         finally:
             self.file.close()
 
@@ -160,37 +231,37 @@ class _Interpreter:
         ops = {
             0x80: lambda: self.read(1),  # PROTO
             0x95: lambda: self.read(8),  # FRAME (frames are transparent here)
-            ord("("): lambda: self.stack.append(_MARK),
-            ord("N"): lambda: self.stack.append(None),
-            0x88: lambda: self.stack.append(True),
-            0x89: lambda: self.stack.append(False),
-            ord("K"): lambda: self.stack.append(self.unpack("<B")),
-            ord("M"): lambda: self.stack.append(self.unpack("<H")),
-            ord("J"): lambda: self.stack.append(self.unpack("<i")),
-            ord("G"): lambda: self.stack.append(self.unpack(">d")),
+            ord("("): lambda: self.push(_MARK),
+            ord("N"): lambda: self.push(None),
+            0x88: lambda: self.push(True),
+            0x89: lambda: self.push(False),
+            ord("K"): lambda: self.push(self.unpack("<B")),
+            ord("M"): lambda: self.push(self.unpack("<H")),
+            ord("J"): lambda: self.push(self.unpack("<i")),
+            ord("G"): lambda: self.push(self.unpack(">d")),
             0x8A: self.op_long1,
-            0x8C: lambda: self.stack.append(self.read(self.unpack("<B")).decode("utf-8")),
-            ord("X"): lambda: self.stack.append(self.read(self.unpack("<I")).decode("utf-8")),
-            0x8D: lambda: self.stack.append(self.read(self.unpack("<Q")).decode("utf-8")),
-            ord("C"): lambda: self.stack.append(self.bytes_payload(self.unpack("<B"))),
-            ord("B"): lambda: self.stack.append(self.bytes_payload(self.unpack("<I"))),
-            0x8E: lambda: self.stack.append(self.bytes_payload(self.unpack("<Q"))),
-            ord(")"): lambda: self.stack.append(()),
-            ord("t"): lambda: self.stack.append(tuple(self.pop_mark())),
+            0x8C: lambda: self.push(self.text(self.unpack("<B"))),
+            ord("X"): lambda: self.push(self.text(self.unpack("<I"))),
+            0x8D: lambda: self.push(self.text(self.unpack("<Q"))),
+            ord("C"): lambda: self.push(self.bytes_payload(self.unpack("<B"))),
+            ord("B"): lambda: self.push(self.bytes_payload(self.unpack("<I"))),
+            0x8E: lambda: self.push(self.bytes_payload(self.unpack("<Q"))),
+            ord(")"): lambda: self.push(self.container((), ())),
+            ord("t"): self.op_tuple_mark,
             0x85: lambda: self.op_tuple(1),
             0x86: lambda: self.op_tuple(2),
             0x87: lambda: self.op_tuple(3),
-            ord("}"): lambda: self.stack.append({}),
-            ord("]"): lambda: self.stack.append([]),
+            ord("}"): lambda: self.push(self.container({}, ())),
+            ord("]"): lambda: self.push(self.container([], ())),
             ord("s"): self.op_setitem,
             ord("u"): self.op_setitems,
             ord("a"): self.op_append,
             ord("e"): self.op_appends,
-            0x94: lambda: self.memo.__setitem__(len(self.memo), self.stack[-1]),  # MEMOIZE
-            ord("q"): lambda: self.memo.__setitem__(self.unpack("<B"), self.stack[-1]),
-            ord("r"): lambda: self.memo.__setitem__(self.unpack("<I"), self.stack[-1]),
-            ord("h"): lambda: self.stack.append(self.get_memo(self.unpack("<B"))),
-            ord("j"): lambda: self.stack.append(self.get_memo(self.unpack("<I"))),
+            0x94: lambda: self.memoize(len(self.memo)),  # MEMOIZE
+            ord("q"): lambda: self.memoize(self.unpack("<B")),
+            ord("r"): lambda: self.memoize(self.unpack("<I")),
+            ord("h"): lambda: self.push(self.get_memo(self.unpack("<B"))),
+            ord("j"): lambda: self.push(self.get_memo(self.unpack("<I"))),
             0x93: self.op_stack_global,
             ord("c"): self.op_global,
             ord("R"): self.op_reduce,
@@ -198,6 +269,7 @@ class _Interpreter:
             ord("b"): self.op_build,
         }
         while True:
+            self.op_start = self.pos
             code = self.read(1)[0]
             if code == ord("."):  # STOP
                 if len(self.stack) != 1:
@@ -205,34 +277,49 @@ class _Interpreter:
                 return self.finish(self.stack[0])
             op = ops.get(code)
             if op is None:
-                raise self.error(f"pickle opcode {bytes([code])!r} at offset {self.pos - 1} is not "
-                                 "allowed in a checkpoint tensor")
+                raise self.error(f"pickle opcode 0x{code:02x} is not allowed in a checkpoint tensor")
             op()
 
     # ---- opcodes ---------------------------------------------------------------------------
-    def get_memo(self, key):
+    def get_memo(self, key: int):
         if key not in self.memo:
             raise self.error(f"malformed pickle: memo key {key} unset")
         return self.memo[key]
 
+    def memoize(self, key: int) -> None:
+        obj = self.top()
+        if obj is _MARK:
+            raise self.error("malformed pickle: a MARK cannot be memoised")
+        self.memo[key] = obj
+
     def op_long1(self):
         n = self.unpack("<B")
-        self.stack.append(int.from_bytes(self.read(n), "little", signed=True))
+        self.push(int.from_bytes(self.read(n), "little", signed=True))
 
     def op_tuple(self, n):
-        items = tuple(self.stack[-n:])
-        del self.stack[-n:]
-        self.stack.append(items)
+        items = tuple(reversed([self.pop() for _ in range(n)]))
+        self.push(self.container(items, items))
+
+    def op_tuple_mark(self):
+        items = tuple(self.pop_mark())
+        self.push(self.container(items, items))
 
     def op_setitem(self):
-        value, key = self.stack.pop(), self.stack.pop()
-        self.dict_target()[key] = value
+        value, key = self.pop(), self.pop()
+        self.set_items(self.dict_target(), [key, value])
 
     def op_setitems(self):
         items = self.pop_mark()
-        target = self.dict_target()
+        if len(items) % 2:
+            raise self.error("malformed pickle: SETITEMS with a key but no value")
+        self.set_items(self.dict_target(), items)
+
+    def set_items(self, target: dict, items: list) -> None:
         for key, value in zip(items[::2], items[1::2]):
+            if not isinstance(key, str):  # never hash what the file built (a deep tuple crashes CPython)
+                raise self.error(f"malformed pickle: a dictionary key that is a {type(key).__name__}, not a string")
             target[key] = value
+        self.container(target, items[1::2])
 
     def dict_target(self) -> dict:
         if not self.stack or not isinstance(self.stack[-1], dict):
@@ -240,12 +327,16 @@ class _Interpreter:
         return self.stack[-1]
 
     def op_append(self):
-        value = self.stack.pop()
-        self.list_target().append(value)
+        value = self.pop()
+        target = self.list_target()
+        target.append(value)
+        self.container(target, [value])
 
     def op_appends(self):
         items = self.pop_mark()
-        self.list_target().extend(items)
+        target = self.list_target()
+        target.extend(items)
+        self.container(target, items)
 
     def list_target(self) -> list:
         if not self.stack or not isinstance(self.stack[-1], list):
@@ -260,7 +351,7 @@ class _Interpreter:
         self.stack.append(g)
 
     def op_stack_global(self):
-        name, module = self.stack.pop(), self.stack.pop()
+        name, module = self.pop(), self.pop()
         if not isinstance(module, str) or not isinstance(name, str):
             raise self.error("malformed pickle: STACK_GLOBAL needs two strings")
         self.push_global(module, name)
@@ -276,10 +367,13 @@ class _Interpreter:
             chars += c
             if len(chars) > 256:
                 raise self.error("malformed pickle: GLOBAL name too long")
-        return chars.decode("utf-8")
+        try:
+            return chars.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.error("malformed pickle: a GLOBAL name that is not UTF-8") from None
 
     def op_reduce(self):
-        args, func = self.stack.pop(), self.stack.pop()
+        args, func = self.pop(), self.pop()
         if not isinstance(func, _Global) or not isinstance(args, tuple):
             raise self.error("refusing a call to something that is not an allowed global")
         if func.kind == "reconstruct":
@@ -297,17 +391,18 @@ class _Interpreter:
             return np.dtype(ml_dtypes.bfloat16)
         if isinstance(spec, str) and spec in _ALLOWED_DTYPE_NAMES:
             return np.dtype(spec)
-        raise self.error(f"refusing array dtype {spec!r}: only numeric dtypes and bfloat16 are allowed")
+        shown = spec if isinstance(spec, str) and len(spec) <= 32 else f"a {type(spec).__name__}"
+        raise self.error(f"refusing array dtype {shown!r}: only numeric dtypes and bfloat16 are allowed")
 
     def op_newobj(self):
-        args, cls = self.stack.pop(), self.stack.pop()
-        if not isinstance(cls, _Global) or cls.kind != "quantized" or args != ():
-            name = f"{cls.module}.{cls.name}" if isinstance(cls, _Global) else repr(cls)
+        args, cls = self.pop(), self.pop()
+        if not isinstance(cls, _Global) or cls.kind != "quantized" or not (isinstance(args, tuple) and args == ()):
+            name = f"{cls.module}.{cls.name}" if isinstance(cls, _Global) else f"a {type(cls).__name__}"
             raise self.error(f"refusing to construct {name}")
         self.stack.append(_Quantized())
 
     def op_build(self):
-        state, obj = self.stack.pop(), self.stack[-1]
+        state, obj = self.pop(), self.top()
         if isinstance(obj, np.dtype):
             # dtype state: (version, byteorder, subarray, names, fields, elsize, alignment, flags)
             if not isinstance(state, tuple) or len(state) < 2:
@@ -332,11 +427,11 @@ class _Interpreter:
         _, shape, dtype, fortran, payload = state
         if not isinstance(dtype, np.dtype) or not isinstance(shape, tuple):
             raise self.error("malformed ndarray state")
-        if not all(isinstance(n, int) and n >= 0 for n in shape):
-            raise self.error(f"malformed array shape {shape!r}")
+        if len(shape) > MAX_DEPTH or not all(type(n) is int and n >= 0 for n in shape):
+            raise self.error("malformed array shape: it must be a tuple of non-negative integers")
         if not isinstance(payload, _Payload):
             raise self.error("array data must be raw bytes")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize  # Python integers: a (2**32, 2**32) shape is not 0
         if payload.length != nbytes:
             raise self.error(f"array of shape {shape} and dtype {dtype} needs {nbytes} bytes, "
                              f"the file holds {payload.length}")
