@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 from checkpoints.lazy import LazyQuantized, LazyTensor
-from checkpoints.materialize import materialize
+from checkpoints.materialize import materialize, resolve_config
 from checkpoints.safe_pickle import ArrayRecord, CheckpointError, QuantizedRecord, read_pickled_tensor
 from model.config import ModelConfig
 
@@ -40,13 +40,14 @@ def tensor_file(ckpt_dir: str, index: int, shard: int = 0) -> str:
     return os.path.join(ckpt_dir, "ckpt-0", f"tensor{index:05d}_{shard:03d}")
 
 
-def open_original(ckpt_dir: str, config: ModelConfig, shard: int = 0) -> dict:
+def open_original(ckpt_dir: str, config, shard: int = 0) -> dict:
     """``{param path: LazyTensor | LazyQuantized}`` for an original-layout checkpoint.
 
     ``shard`` is the host shard suffix (``_000`` in the release; the reference reads the file of its
     process index). Nothing is unpickled: each file's opcode stream is interpreted and its arrays
     are memory-mapped, so a device later reads only its own slice.
     """
+    config = resolve_config(config)
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"{ckpt_dir}: checkpoint directory does not exist")
     if not os.path.isdir(os.path.join(ckpt_dir, "ckpt-0")):
@@ -72,6 +73,8 @@ def _lazy(record: ArrayRecord | QuantizedRecord):
                       lambda index, record=record: np.array(record.memmap()[index]), record.memmap)
 
 
-def load_original(ckpt_dir: str, config: ModelConfig, shard: int = 0) -> dict:
-    """All parameters as host numpy arrays / ``QuantizedWeight8bit``, shapes and dtypes checked."""
+def load_original(ckpt_dir: str, config, shard: int = 0) -> dict:
+    """All parameters as host numpy arrays / ``QuantizedWeight8bit``, shapes and dtypes checked.
+    ``config``: a ``ModelConfig``, a preset name or a JSON file."""
+    config = resolve_config(config)
     return materialize(open_original(ckpt_dir, config, shard), config, mesh=None, to_host=True)

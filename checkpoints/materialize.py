@@ -11,6 +11,7 @@ so each device reads only its own slice. Host memory stays near one device slice
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 
 import jax
@@ -18,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from checkpoints.lazy import LazyQuantized, LazyTensor, dequantized_slice
-from checkpoints.native import load_config
+from checkpoints.native import load_config, regular_file
 from checkpoints.safe_pickle import CheckpointError
 from model.config import PRESETS, ModelConfig
 from model.quant import QuantizedWeight8bit
@@ -31,10 +32,16 @@ def resolve_config(config) -> ModelConfig:
         return config
     if isinstance(config, str) and config in PRESETS:
         return PRESETS[config]
-    if isinstance(config, str) and os.path.isfile(config):
-        return load_config(config)
-    raise CheckpointError(f"config {config!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-                          "nor a JSON file")
+    if isinstance(config, (str, os.PathLike)) and os.path.exists(config):
+        return load_config(os.fspath(config))
+    raise CheckpointError(f"config {str(config)[:200]!r} is neither a ModelConfig, a preset "
+                          f"({', '.join(sorted(PRESETS))}) nor a JSON file")
+
+
+def config_differences(a: ModelConfig, b: ModelConfig) -> str:
+    """Each field where two configs differ, with both values: ``name a != b``."""
+    return ", ".join(f"{f.name} {getattr(a, f.name)!r} != {getattr(b, f.name)!r}"
+                     for f in dataclasses.fields(ModelConfig) if getattr(a, f.name) != getattr(b, f.name))
 
 
 def _is_float(dtype) -> bool:
@@ -171,6 +178,7 @@ def check_tokenizer(tokenizer_path: str | None, config: ModelConfig) -> None:
         return
     import sentencepiece as spm
 
+    regular_file(tokenizer_path, "tokenizer")
     try:
         sp = spm.SentencePieceProcessor(model_file=tokenizer_path)
     except (OSError, RuntimeError) as e:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import struct
 
@@ -26,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints.lazy import LazyQuantized, LazyTensor
-from checkpoints.safe_pickle import CheckpointError
+from checkpoints.safe_pickle import CheckpointError, regular_file
 from model.config import ModelConfig
 from model.sharding import path_str
 
@@ -49,24 +50,43 @@ def config_to_json(config: ModelConfig) -> dict:
 
 
 def config_from_json(data: dict, source: str) -> ModelConfig:
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{source}: a config must be a JSON object, got {type(data).__name__}")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(data) - fields - {"format"})
+    data = dict(data)
+    ffn = data.pop("ffn_size", None)  # derived from emb_size and widening_factor; accepted when it agrees
+    unknown = sorted(str(k)[:80] for k in set(data) - fields - {"format"})
     if unknown:
         raise CheckpointError(f"{source}: unknown config fields {unknown}")
     try:
-        return ModelConfig(**{k: v for k, v in data.items() if k in fields})
-    except (TypeError, ValueError) as e:
+        config = ModelConfig(**{k: v for k, v in data.items() if k in fields})
+    except (TypeError, ValueError, OverflowError) as e:
         raise CheckpointError(f"{source}: invalid config: {e}") from None
+    if ffn is not None and ffn != config.ffn_size:
+        raise CheckpointError(f"{source}: ffn_size {str(ffn)[:40]} differs from the width emb_size "
+                              f"{config.emb_size} and widening_factor {config.widening_factor} give, "
+                              f"{config.ffn_size}")
+    return config
 
 
-def load_config(path: str) -> ModelConfig:
+def read_json(path: str, what: str):
+    regular_file(path, what)
     try:
-        with open(path) as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            return json.loads(f.read())
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read config ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: config is not valid JSON ({e})") from None
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({type(e).__name__})") from None
+
+
+def load_config(path: str, checkpoint: bool = False) -> ModelConfig:
+    """A config from a JSON file; with ``checkpoint`` (a checkpoint's own config.json) its
+    ``format`` must be this project's."""
+    data = read_json(path, "config")
+    if checkpoint and isinstance(data, dict) and data.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {str(data.get('format'))[:80]!r} is not this project's "
+                              f"native format {FORMAT!r}")
     return config_from_json(data, path)
 
 
@@ -159,8 +179,16 @@ def save(directory: str, params, config: ModelConfig, *, tokenizer: str | None =
 
 
 # ---- reading -----------------------------------------------------------------------------
+def _is_count(x) -> bool:
+    return type(x) is int and x >= 0  # bool is not a count
+
+
 def read_header(path: str) -> tuple[dict, int]:
-    """Parse a safetensors header; return it and the offset where the data starts."""
+    """Parse a safetensors header and check it: a JSON object of entries, each with a known
+    ``dtype``, a ``shape`` of non-negative integers and two ``data_offsets`` inside the data
+    section, exactly shape x dtype bytes apart, no two tensors' bytes overlapping. Return it and
+    the offset where the data starts."""
+    regular_file(path, "safetensors file")
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -174,23 +202,41 @@ def read_header(path: str) -> tuple[dict, int]:
             header = json.loads(f.read(length))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise CheckpointError(f"{path}: corrupted safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupted safetensors header (a JSON {type(header).__name__}, not an object)")
     data_start = 8 + length
-    end = 0
+    data_size = size - data_start
+    spans = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        begin, stop = info["data_offsets"]
-        dtype = _NP_DTYPES.get(info.get("dtype"))
+        where = f"{path}: tensor {name[:200]!r}"
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise CheckpointError(f"{where}: an entry needs dtype, shape and data_offsets")
+        dtype = _NP_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
         if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
-        if stop - begin != int(np.prod(info["shape"], dtype=np.int64)) * dtype.itemsize:
-            raise CheckpointError(f"{path}: tensor {name} is corrupted (size does not match its shape)")
-        end = max(end, stop)
-    if data_start + end > size:
-        raise CheckpointError(f"{path}: truncated file: its header needs {data_start + end} bytes, "
-                              f"the file has {size}")
+            raise CheckpointError(f"{where} has unsupported dtype {str(info['dtype'])[:40]!r}")
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not (isinstance(shape, list) and len(shape) <= 32 and all(_is_count(n) for n in shape)):
+            raise CheckpointError(f"{where}: shape must be a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(n) for n in offsets)):
+            raise CheckpointError(f"{where}: data_offsets must be two non-negative integers")
+        begin, stop = offsets
+        need = math.prod(shape) * dtype.itemsize  # Python integers: never overflows
+        if stop - begin != need:
+            raise CheckpointError(f"{where} is corrupted: shape {shape} of {info['dtype']} needs {need} bytes, "
+                                  f"its data_offsets [{begin}, {stop}] hold {stop - begin}")
+        if stop > data_size:
+            raise CheckpointError(f"{path}: truncated file: tensor {name[:200]!r} ends at byte {data_start + stop}, "
+                                  f"the file has {size}")
+        spans.append((begin, stop, name))
+    furthest, holder = 0, None  # the end of the bytes claimed so far, and whose
+    for begin, stop, name in sorted(s for s in spans if s[1] > s[0]):  # empty tensors overlap nothing
+        if begin < furthest:
+            raise CheckpointError(f"{path}: tensors {holder[:200]!r} and {name[:200]!r} overlap in the data section")
+        furthest, holder = stop, name
     return header, data_start
 
 
@@ -211,18 +257,18 @@ def open_native(directory: str) -> tuple[ModelConfig, dict, str | None]:
     """Config, ``{param path: LazyTensor | LazyQuantized}`` and the tokenizer path (or None)."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: checkpoint directory does not exist")
-    config = load_config(os.path.join(directory, CONFIG))
+    config = load_config(os.path.join(directory, CONFIG), checkpoint=True)
     index_path = os.path.join(directory, INDEX)
-    try:
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-    except OSError as e:
-        raise CheckpointError(f"{index_path}: cannot read ({e.strerror})") from None
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise CheckpointError(f"{index_path}: corrupted index (no weight_map)") from None
+    index = read_json(index_path, "index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: corrupted index (weight_map must be an object of tensor name -> file)")
     headers = {}
     tensors = {}
     for name, file in weight_map.items():
+        if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", ".."):
+            raise CheckpointError(f"{index_path}: tensor {name[:200]!r} maps to {str(file)[:80]!r}, not a file "
+                                  "name in the checkpoint directory")
         path = os.path.join(directory, file)
         if file not in headers:
             if not os.path.exists(path):

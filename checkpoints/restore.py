@@ -13,8 +13,8 @@ import os
 from jax.sharding import Mesh
 
 from checkpoints.grok1_layout import open_original
-from checkpoints.materialize import (_nest, _placeholder, check_sources, check_tokenizer, materialize,
-                                     resolve_config)
+from checkpoints.materialize import (_nest, _placeholder, check_sources, check_tokenizer, config_differences,
+                                     materialize, resolve_config)
 from checkpoints.native import CONFIG, open_native
 from checkpoints.safe_pickle import CheckpointError
 from model.config import ModelConfig
@@ -35,7 +35,8 @@ def restore(directory: str, *, mesh: Mesh | None = None, dtype=None, dequantize:
     if os.path.exists(os.path.join(directory, CONFIG)):
         stored, sources, tokenizer_path = open_native(directory)
         if config is not None and resolve_config(config) != stored:
-            raise CheckpointError(f"{directory}: config.json differs from the config passed in")
+            raise CheckpointError(f"{directory}: config.json differs from the config passed in: "
+                                  f"{config_differences(stored, resolve_config(config))} (checkpoint != passed)")
         config = stored
     elif os.path.isdir(os.path.join(directory, "ckpt-0")):
         if config is None:
