@@ -17,6 +17,29 @@ import sys
 import time
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged, that"
+INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
+
+
+def bounded(kind, low=None, high=None, what=""):
+    """An argparse type: ``kind`` (int or float) within [low, high], finite; the message says what is expected."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what or kind.__name__}, got {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")) or (low is not None and value < low) or (
+                high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+def open_unit(text):
+    """A float in (0, 1]: top-p."""
+    value = bounded(float, what="a number in (0, 1]")(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
 
 
 def parse_args(argv):
@@ -29,12 +52,17 @@ def parse_args(argv):
     p.add_argument("--prompt", help="prompt text; without it, prompts are read from piped stdin, one per "
                    f"line, else the default {DEFAULT_PROMPT!r}")
     p.add_argument("--prompt-ids", help="prompt as comma-separated token ids (no tokenizer needed)")
-    p.add_argument("--max-tokens", type=int, default=100, help="tokens to generate per prompt (default 100)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; higher = more random (default 0.8)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass in (0, 1]; 1 = off (default 0.95)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
-    p.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same text (default 0)")
-    p.add_argument("--batch-size", type=int, default=None, help="decode slots (default: 1 per device)")
+    p.add_argument("--max-tokens", type=bounded(int, 1, INT32_MAX, "an integer >= 1"), default=100,
+                   help="tokens to generate per prompt (default 100)")
+    p.add_argument("--temperature", type=bounded(float, 0, None, "a finite number >= 0"), default=0.8,
+                   help="0 = greedy; higher = more random (default 0.8)")
+    p.add_argument("--top-p", type=open_unit, default=0.95, help="nucleus sampling mass in (0, 1]; 1 = off (default 0.95)")
+    p.add_argument("--top-k", type=bounded(int, 0, INT32_MAX, "an integer in [0, 2**31 - 1]"), default=0,
+                   help="sample among the k most likely tokens; 0 = off")
+    p.add_argument("--seed", type=bounded(int, 0, UINT32_MAX, "an integer in [0, 2**32 - 1]"), default=0,
+                   help="random seed; the same seed gives the same text (default 0); prompt i gets seed + i")
+    p.add_argument("--batch-size", type=bounded(int, 1, 1 << 16, "an integer >= 1"), default=None,
+                   help="decode slots (default: 1 per device)")
     p.add_argument("--pad-sizes", help="comma-separated prompt buckets (default: powers of two to sequence_len)")
     p.add_argument("--mesh", default=None, help="device mesh DATA,MODEL (default 1,1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation dtype "
@@ -52,7 +80,8 @@ def parse_args(argv):
                    "(with --preset or --checkpoint, --mesh, --batch-size, --device-memory)")
     p.add_argument("--preset", help="plan for a preset config (grok-1, ...) in the Grok-1 release's "
                    "dtypes (int8 matrices, bf16 scales, float32 embedding) instead of a checkpoint")
-    p.add_argument("--device-memory", type=float, help="memory of one device in GiB, for --plan")
+    p.add_argument("--device-memory", type=bounded(float, 0, None, "a number of GiB > 0"),
+                   help="memory of one device in GiB, for --plan")
     p.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
                    help="multi-host: coordinator HOST:PORT for jax.distributed.initialize "
                    "(env JAX_COORDINATOR_ADDRESS), or 'auto' where JAX detects the cluster (Cloud TPU, SLURM)")
@@ -137,12 +166,13 @@ def serve(argv) -> int:
     p.add_argument("--config", help="config for an original-layout checkpoint: a preset name or a JSON file")
     p.add_argument("--tokenizer", help="SentencePiece model (default: the checkpoint's tokenizer.model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=bounded(int, 0, 65535, "a port in [0, 65535]"), default=8000, help="port (default 8000)")
     p.add_argument("--model-name", help="the model's name in the API (default: the checkpoint directory's name)")
     p.add_argument("--api-key", default=os.environ.get("GROK_RUNNER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (env GROK_RUNNER_API_KEY)")
-    p.add_argument("--batch-size", type=int, default=8, help="decode slots (default 8)")
-    p.add_argument("--max-waiting", type=int, default=256,
+    p.add_argument("--batch-size", type=bounded(int, 1, 1 << 16, "an integer >= 1"), default=8,
+                   help="decode slots (default 8)")
+    p.add_argument("--max-waiting", type=bounded(int, 0, None, "an integer >= 0"), default=256,
                    help="requests that may wait for a slot; beyond, 503 with Retry-After (default 256)")
     p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto", help="see run.py --help")
     p.add_argument("--compile-cache", default=os.path.join(
@@ -208,37 +238,56 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     if args.plan:
         return plan(parser, args)
-    start_jax(parser, args)
-    from runner import InferenceRunner, ModelRunner, Request
-    from runner.compile_count import cache_hits, compilations
-    from runner.runner import default_checkpoint
+    if args.prompt is not None and not args.prompt.strip():
+        parser.error("argument --prompt: expected text, got an empty prompt")
+    try:
+        return generate(parser, args, start)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted after {time.perf_counter() - start:.2f} s", file=sys.stderr)
+        return 130
 
-    compilations()
+
+def generate(parser, args, start: float) -> int:
+    """``run.py`` without a subcommand: every flag checked, then the model loaded and the prompts streamed."""
     checkpoint, config, prompt_ids = args.checkpoint, args.config, args.prompt_ids
-    if checkpoint is None:
-        checkpoint = default_checkpoint()
-        if checkpoint is None:
-            parser.error("the default model checkpoints/austen-moe/ is missing: pass --checkpoint DIR")
-    if not os.path.isdir(checkpoint):
-        parser.error(f"--checkpoint {checkpoint!r} is not a directory")
     mesh = int_list(parser, "--mesh", args.mesh) if args.mesh else [1, 1]
-    if len(mesh) != 2:
-        parser.error(f"--mesh must be DATA,MODEL, got {args.mesh!r}")
+    if len(mesh) != 2 or min(mesh) < 1:
+        parser.error(f"argument --mesh: expected DATA,MODEL (two positive integers), got {args.mesh!r}")
     pad_sizes = int_list(parser, "--pad-sizes", args.pad_sizes) if args.pad_sizes else None
-
+    if pad_sizes is not None and min(pad_sizes) < 1:
+        parser.error(f"argument --pad-sizes: expected positive integers, got {args.pad_sizes!r}")
     if prompt_ids is not None:
         prompts = [int_list(parser, "--prompt-ids", prompt_ids)]
     elif args.prompt is not None:
         prompts = [args.prompt]
     else:
         piped = sys.stdin is not None and not sys.stdin.isatty()
-        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()] if piped else []
+        prompts = [line.rstrip("\r\n") for line in sys.stdin if line.strip()] if piped else []  # CRLF too
         prompts = prompts or [DEFAULT_PROMPT]  # nothing piped in: the default prompt
+    if args.seed + len(prompts) - 1 > UINT32_MAX:
+        parser.error(f"argument --seed: prompt {len(prompts) - 1} would get seed {args.seed + len(prompts) - 1}, "
+                     "past 2**32 - 1")
+    from runner import Request
+
     try:
         requests = [Request(p, temperature=args.temperature, nucleus_p=args.top_p, top_k=args.top_k,
                             rng_seed=args.seed + i, max_len=args.max_tokens) for i, p in enumerate(prompts)]
-        from checkpoints import CheckpointError
+    except ValueError as e:
+        parser.error(str(e))
+    start_jax(parser, args)
+    from checkpoints import CheckpointError
+    from runner import InferenceRunner, ModelRunner
+    from runner.compile_count import cache_hits, compilations
+    from runner.runner import default_checkpoint
 
+    compilations()
+    if checkpoint is None:
+        checkpoint = default_checkpoint()
+        if checkpoint is None:
+            parser.error("the default model checkpoints/austen-moe/ is missing: pass --checkpoint DIR")
+    if not os.path.isdir(checkpoint):
+        parser.error(f"argument --checkpoint: {checkpoint!r} is not a directory")
+    try:
         runner = InferenceRunner(
             runner=ModelRunner(checkpoint_path=checkpoint, model=config, dtype=args.dtype, backend=args.backend),
             tokenizer_path=args.tokenizer, local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
@@ -257,31 +306,35 @@ def main(argv=None) -> int:
     index = {r.request_id: i for i, r in enumerate(requests)}
     first_token = None
     generated = 0
-    for event in runner.run(requests):
-        if first_token is None:
-            first_token = time.perf_counter()
-        generated += event.token_id is not None
-        text = event.text if runner.tokenizer is not None else (
-            f"{event.token_id}," if event.token_id is not None else "")
-        if single:
-            if event.index == 0 and event.token_id is not None:
-                print(prompts[0] if isinstance(prompts[0], str) else "", end="", flush=True)
-            print(text, end="", flush=True)
-        else:
-            texts[event.request_id].append(text)
-            if event.finish_reason:
-                i = index[event.request_id]
-                print(f"[{i}] {prompts[i]}{''.join(texts[event.request_id])}", flush=True)
+    interrupted = False
+    try:
+        for event in runner.run(requests):
+            if first_token is None:
+                first_token = time.perf_counter()
+            generated += event.token_id is not None
+            text = event.text if runner.tokenizer is not None else (
+                f"{event.token_id}," if event.token_id is not None else "")
+            if single:
+                if event.index == 0 and event.token_id is not None:
+                    print(prompts[0] if isinstance(prompts[0], str) else "", end="", flush=True)
+                print(text, end="", flush=True)
+            else:
+                texts[event.request_id].append(text)
+                if event.finish_reason:
+                    i = index[event.request_id]
+                    print(f"[{i}] {prompts[i]}{''.join(texts[event.request_id])}", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: the summary of what was generated, exit 130
+        interrupted = True
     end = time.perf_counter()
     if single:
         print()
     ttft = (first_token or end) - start
     rate = max(generated - len(requests), 0) / max(end - (first_token or end), 1e-9)
-    print(f"time to first token {ttft:.2f} s (command start, compile included), "
-          f"{rate:.1f} tokens/s after it ({generated} tokens, {len(requests)} prompts, batch "
+    print(("\ninterrupted: " if interrupted else "") + f"time to first token {ttft:.2f} s (command start, "
+          f"compile included), {rate:.1f} tokens/s after it ({generated} tokens, {len(requests)} prompts, batch "
           f"{runner.batch_size}), {compilations()} compilations ({cache_hits()} from the compilation cache)",
           file=sys.stderr)
-    return 0
+    return 130 if interrupted else 0
 
 
 if __name__ == "__main__":

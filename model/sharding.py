@@ -32,8 +32,15 @@ def make_mesh(shape: tuple[int, int] = (1, 1), devices=None) -> Mesh:
     """A ``(data, model)`` mesh over ``devices`` (default: all devices, all processes)."""
     devices = jax.devices() if devices is None else list(devices)
     data, model = shape
-    if data <= 0 or model <= 0 or data * model != len(devices):
-        raise ValueError(f"mesh shape {shape} needs data x model = {len(devices)} devices")
+    if data <= 0 or model <= 0:
+        raise ValueError(f"mesh shape {shape}: data and model must be positive")
+    if data * model != len(devices):
+        hint = ""
+        if devices and devices[0].platform == "cpu" and data * model > len(devices):
+            hint = (f"; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={data * model} makes "
+                    f"{data * model} devices")
+        raise ValueError(f"mesh shape {shape} needs data x model = {data * model} devices, and "
+                         f"{len(devices)} {'is' if len(devices) == 1 else 'are'} given{hint}")
     return Mesh(np.array(devices).reshape(data, model), MESH_AXES)
 
 
