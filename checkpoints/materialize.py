@@ -34,8 +34,8 @@ def resolve_config(config) -> ModelConfig:
         return PRESETS[config]
     if isinstance(config, (str, os.PathLike)) and os.path.exists(config):
         return load_config(os.fspath(config))
-    raise CheckpointError(f"config {str(config)[:200]!r} is neither a ModelConfig, a preset "
-                          f"({', '.join(sorted(PRESETS))}) nor a JSON file")
+    raise CheckpointError(f"config {str(config)[:200]!r} is neither a preset ({', '.join(sorted(PRESETS))}), "
+                          "a JSON file nor a ModelConfig")
 
 
 def config_differences(a: ModelConfig, b: ModelConfig) -> str:
