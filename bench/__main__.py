@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from backends.cpu import build, ops as panel
-from bench.common import BENCH, busy, median_time, serve
+from bench.common import BENCH, busy, expected_experts, median_time, serve
 from model import init_params
 from runner import InferenceRunner, ModelRunner, Request
 
@@ -99,12 +99,6 @@ def low_precision(repeats: int) -> dict:
 
 
 # ---- roofline ------------------------------------------------------------------------------
-def expected_experts(batch: int, config) -> float:
-    """Distinct experts a batch of tokens touches per layer, on average (uniform routing)."""
-    e, k = config.num_experts, config.num_selected_experts
-    return e * (1 - (1 - k / e) ** batch)
-
-
 def decode_roofline(config, batch: int, context: int, limits: dict) -> dict:
     """Lower bounds of one decode step: bytes it must read over bandwidth, FLOPs over peak."""
     counts = config.param_counts()

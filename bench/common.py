@@ -20,6 +20,12 @@ BENCH = dataclasses.replace(
     embedding_multiplier_scale=512 ** 0.5, attn_output_multiplier=64 ** -0.5, fprop_dtype="float32")
 
 
+def expected_experts(batch: int, config) -> float:
+    """Distinct experts a batch of tokens touches per layer, on average (uniform routing)."""
+    e, k = config.num_experts, config.num_selected_experts
+    return e * (1 - (1 - k / e) ** batch)
+
+
 def median_time(fn, repeats: int) -> float:
     fn()
     times = []

@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import time
 
 import jax
@@ -39,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from backends import XLA
+from bench.common import expected_experts, median_time
 from model import GROK_1, TINY, forward, new_memory
 from model.layers import MoELayer
 from model.plan import abstract_params
@@ -70,21 +70,6 @@ def layer_bytes(config) -> int:
     one = dataclasses.replace(config, num_layers=1)
     shapes = abstract_params(one, quantized=True)
     return nbytes(shapes["transformer"])
-
-
-def median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def expected_experts(batch: int, config) -> float:
-    e, k = config.num_experts, config.num_selected_experts
-    return e * (1 - (1 - k / e) ** batch)
 
 
 def decode_bytes(config, params, batch: int, context: int) -> int:
@@ -178,7 +163,7 @@ def main(argv=None) -> None:
             state["memory"] = result.memory.replace(step=jnp.full((batch,), context - 1, jnp.int32))
             return result.logits
 
-        seconds = median_seconds(one, 10)
+        seconds = median_time(lambda: jax.block_until_ready(one()), 10)
         need = decode_bytes(config, params, batch, context)
         out["decode"].append({"batch": batch, "step_ms": seconds * 1e3, "tokens_per_s": batch / seconds,
                               "bytes_per_step_gb": need / 1e9,
@@ -190,7 +175,7 @@ def main(argv=None) -> None:
         compiled = prefill.lower(params, tokens).compile()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        seconds = median_seconds(lambda: compiled(params, tokens), 3)
+        seconds = median_time(lambda: jax.block_until_ready(compiled(params, tokens)), 3)
         need = prefill_flops(config, prefill_tokens)
         out["prefill"] = {"tokens": prefill_tokens, "seconds": seconds, "needed_tflop": need / 1e12,
                           "xla_tflop": float(cost.get("flops", float("nan"))) / 1e12,
@@ -206,8 +191,8 @@ def main(argv=None) -> None:
             {"params": p}, x[None], pr[None]))
         dense = jax.jit(dense_moe(config))
         out["moe"] = {"tokens": prefill_tokens,
-                      "ragged_dot_ms": median_seconds(lambda: ragged(moe_params, x, probs), 5) * 1e3,
-                      "dense_ms": median_seconds(lambda: dense(moe_params, x, probs), 5) * 1e3}
+                      "ragged_dot_ms": median_time(lambda: jax.block_until_ready(ragged(moe_params, x, probs)), 5) * 1e3,
+                      "dense_ms": median_time(lambda: jax.block_until_ready(dense(moe_params, x, probs)), 5) * 1e3}
         out["moe"]["dense_over_ragged"] = out["moe"]["dense_ms"] / out["moe"]["ragged_dot_ms"]
     else:
         out["skipped"].append("moe")

@@ -146,6 +146,7 @@ class _Interpreter:
         self.stack: list = []
         self.memo: dict[int, object] = {}
         self.depths: dict[int, int] = {}  # id -> nesting depth of the containers built here
+        self.keep: list = []  # those containers, alive while interpreting so that no id is reused
 
     def error(self, message: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: {message} (opcode at byte offset {self.op_start})")
@@ -190,13 +191,11 @@ class _Interpreter:
         if depth > MAX_DEPTH:
             raise self.error(f"malformed pickle: containers nested more than {MAX_DEPTH} deep")
         self.depths[id(obj)] = max(depth, self.depth(obj))
-        self.keep.append(obj)  # alive while interpreting, so its id is never reused
+        self.keep.append(obj)
         return obj
 
     def unpack(self, fmt: str):
         return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
-
-    keep: list
 
     def pop_mark(self) -> list:
         for i in range(len(self.stack) - 1, -1, -1):
@@ -216,7 +215,6 @@ class _Interpreter:
         return _Payload(offset, n)
 
     def run(self):
-        self.keep = []
         try:
             return self._run()
         except CheckpointError:

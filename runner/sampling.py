@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from backends import XLA
-from backends.xla import argmax, sorted_threshold  # noqa: F401  (the XLA rules, re-exported for callers)
+from backends.xla import argmax
 
 TOP_K = 20  # alternatives reported per token: the most the OpenAI API asks for (the reference reports 8)
 _MIN_TEMPERATURE = 1e-6

@@ -5,7 +5,8 @@ import pytest
 
 from backends import XLA
 from backends.cpu import CPU, build, ops
-from runner.sampling import SampleSettings, argmax, filter_logits, sample_token
+from backends.xla import argmax
+from runner.sampling import SampleSettings, filter_logits, sample_token
 
 ON_KERNELS = CPU(on=frozenset({"sampling_cut", "logits_summary"}))
 # the top-k/top-p cut: by sorting (the XLA backend), and on the CPU backend's kernel where it builds
