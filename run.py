@@ -173,7 +173,26 @@ def serve(argv) -> int:
     p.add_argument("--batch-size", type=bounded(int, 1, 1 << 16, "an integer >= 1"), default=8,
                    help="decode slots (default 8)")
     p.add_argument("--max-waiting", type=bounded(int, 0, None, "an integer >= 0"), default=256,
-                   help="requests that may wait for a slot; beyond, 503 with Retry-After (default 256)")
+                   help="requests that may wait for a slot; beyond, 503 with Retry-After (default 256); a "
+                   "request of more choices than --batch-size + --max-waiting is a 400")
+    p.add_argument("--max-body-bytes", type=bounded(int, 1, None, "an integer >= 1"), default=4 << 20,
+                   help="largest request body, counted as it arrives (chunked or not); beyond, 413 "
+                   "(default 4194304)")
+    p.add_argument("--max-scored-tokens", type=bounded(int, 0, None, "an integer >= 0"), default=None,
+                   help="prompt tokens one request may have scored (echo with logprobs); default: "
+                   "--batch-size x the model's sequence_len")
+    p.add_argument("--read-timeout", type=bounded(float, 0.001, None, "a number of seconds > 0"), default=15.0,
+                   help="seconds a client may take to send a request's head, or between two pieces of its "
+                   "body; then its connection is closed and logged (default 15)")
+    p.add_argument("--keep-alive-timeout", type=bounded(float, 0.001, None, "a number of seconds > 0"),
+                   default=5.0, help="seconds an idle connection is kept between requests (default 5)")
+    p.add_argument("--shutdown-timeout", type=bounded(float, 0.001, None, "a number of seconds > 0"),
+                   default=10.0, help="on SIGTERM or Ctrl-C, seconds requests in flight may take to finish; "
+                   "then they end with an error and the server exits, rc 0 (default 10; a second signal "
+                   "exits at once, rc 1)")
+    p.add_argument("--private-docs-and-metrics", action="store_true",
+                   help="with --api-key, require the key for /metrics, /docs, /redoc and /openapi.json too "
+                   "(only /health stays public)")
     p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto", help="see run.py --help")
     p.add_argument("--compile-cache", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
@@ -193,13 +212,20 @@ def serve(argv) -> int:
     mesh = int_list(p, "--mesh", args.mesh) if args.mesh else [1, 1]
     if len(mesh) != 2:
         p.error(f"--mesh must be DATA,MODEL, got {args.mesh!r}")
+    if args.private_docs_and_metrics and not args.api_key:
+        p.error("--private-docs-and-metrics needs --api-key (or GROK_RUNNER_API_KEY)")
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("grok_runner.server").setLevel(logging.INFO)  # closed connections, clients gone, drain
     start_jax(p, args)
     import jax
 
     from checkpoints import CheckpointError
     from runner import InferenceRunner, ModelRunner
     from runner.runner import default_checkpoint
-    from server import Server, serve_forever
+    from server import Limits, Server, serve_forever
 
     checkpoint = args.checkpoint or default_checkpoint()
     if checkpoint is None or not os.path.isdir(checkpoint):
@@ -217,17 +243,21 @@ def serve(argv) -> int:
             jax.distributed.shutdown()
             return 0
         server = Server(runner, args.model_name or os.path.basename(os.path.normpath(checkpoint)),
-                        api_key=args.api_key, max_waiting=args.max_waiting)
+                        api_key=args.api_key, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                        max_scored_tokens=args.max_scored_tokens,
+                        private_docs_and_metrics=args.private_docs_and_metrics)
+        limits = Limits(read_timeout=args.read_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                        shutdown_timeout=args.shutdown_timeout)
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for line in runner.runner.backend_report().splitlines():
         print(line if line.startswith("backend:") else f"  kernel {line}", file=sys.stderr)
     print(f"serving {server.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    serve_forever(server.app, args.host, args.port)  # until Ctrl-C or SIGTERM, then a graceful stop
-    if jax.process_count() > 1:
+    rc = serve_forever(server, args.host, args.port, limits)  # until Ctrl-C or SIGTERM, then a drain
+    if jax.process_count() > 1 and rc == 0:
         jax.distributed.shutdown()
-    return 0
+    return rc
 
 
 def main(argv=None) -> int:

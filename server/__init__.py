@@ -1,6 +1,7 @@
 """HTTP serving: an OpenAI-compatible API over a runner's engine core (``Server``), with
 Prometheus metrics; ``python run.py serve`` starts it. No scheduling and no model math here."""
 
-from server.app import Server, serve_forever
+from server.app import Server
+from server.http import Limits, serve_forever
 
-__all__ = ["Server", "serve_forever"]
+__all__ = ["Limits", "Server", "serve_forever"]

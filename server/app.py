@@ -4,19 +4,29 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streame
 events when asked), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, vLLM's
 names), ``POST /tokenize``, ``POST /detokenize``. The engine core runs its rounds in a background
 thread; each HTTP request submits its runner requests with a sink that hands the events to the
-event loop, so no handler ever blocks the loop on the device. Errors take OpenAI's shape: 400
-naming the field for any bad parameter (the same checks as ``Request``), 401 without the API key,
-404 for another model, 413 for a body over ``max_body_bytes``, 503 with ``Retry-After`` when more
-than ``max_waiting`` requests wait for a slot. A client that disconnects mid-stream cancels its
-requests: their slots are free at the next round.
+event loop, so no handler ever blocks the loop on the device.
+
+What one request may cost is bounded before it costs it: the body is counted while it is read
+(413 past ``max_body_bytes``, chunked or not), a request whose choices could never be admitted is
+a 400 and one that cannot be admitted now a 503 before any prompt is tokenized, prompt scoring
+(``echo`` with ``logprobs``) has a token budget, and tokenizing, templating and building requests
+run in worker threads (SentencePiece releases the GIL), so the event loop keeps answering other
+clients. Errors take OpenAI's shape: 400 naming the field for any bad parameter (the same checks
+as ``Request``) or malformed JSON, 401 without the API key, 404 for another model, 413, 415 for a
+body that is not ``application/json`` (so a web page cannot post to the API without a CORS
+preflight), 503 with ``Retry-After`` only when waiting would help. A client that disconnects,
+streamed or not, cancels its requests: their slots are free at the next round.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import re
+import threading
 import time
 import uuid
 from typing import Optional
@@ -24,7 +34,9 @@ from typing import Optional
 import numpy as np
 import pydantic
 from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from runner import InferenceRunner, Request
 from server.chat import ChatTemplate
@@ -34,6 +46,13 @@ from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
 from server.stops import StopMatcher
 
 log = logging.getLogger("grok_runner.server")
+
+_SHUTDOWN = object()  # put in a sink when the server ends the requests still in flight
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer: nothing to send, one line to log."""
+
 
 
 class _Sink:
@@ -93,13 +112,25 @@ class Server:
     """``app`` serves ``runner`` (initialised) as ``model_name``."""
 
     def __init__(self, runner: InferenceRunner, model_name: str, api_key: Optional[str] = None,
-                 max_waiting: int = 256, max_body_bytes: int = 4 << 20, chat_template: ChatTemplate | None = None):
+                 max_waiting: int = 256, max_body_bytes: int = 4 << 20, chat_template: ChatTemplate | None = None,
+                 max_scored_tokens: Optional[int] = None, private_docs_and_metrics: bool = False):
         if runner.tokenizer is None:
             raise ValueError("the server needs a runner with a tokenizer (text in, text out)")
-        if not isinstance(max_waiting, int) or max_waiting < 0:
-            raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
+        for name, value in (("max_waiting", max_waiting), ("max_body_bytes", max_body_bytes),
+                            ("max_scored_tokens", max_scored_tokens)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if api_key is not None and (not isinstance(api_key, str) or not api_key):
+            raise ValueError(f"api_key must be a non-empty string or None, got {api_key!r}")
+        if private_docs_and_metrics and api_key is None:
+            raise ValueError("private_docs_and_metrics needs an api_key")
         self.runner, self.model_name, self.api_key = runner, model_name, api_key
+        self._key_digest = None if api_key is None else hashlib.sha256(api_key.encode()).digest()
         self.max_waiting, self.max_body_bytes = max_waiting, max_body_bytes
+        # prompt tokens one request may have scored (echo with logprobs): a full decode batch's worth
+        self.max_scored_tokens = (runner.batch_size * runner.config.sequence_len if max_scored_tokens is None
+                                  else max_scored_tokens)
+        self.private = private_docs_and_metrics
         self.chat_template = chat_template or ChatTemplate.for_checkpoint(
             getattr(runner.runner, "checkpoint_path", None))
         self.metrics = Metrics(model_name)
@@ -111,7 +142,26 @@ class Server:
             runner.core.broadcast = True
         self.created = int(time.time())
         self.ready = False
+        self.draining = False  # shutting down: no new requests (503), /health 503
+        self.loop: Optional[asyncio.AbstractEventLoop] = None  # the event loop serving the app
+        self._admission = threading.Lock()  # the load check and the submissions it admits, together
+        self._inflight: set[_Sink] = set()  # the sinks of submitted requests whose responses are not done
+        self._inflight_lock = threading.Lock()
         self.app = self._build_app()
+
+    def begin_drain(self) -> None:
+        """From any thread: refuse new requests (503) and report not ready; those in flight go on."""
+        self.draining = True
+
+    def end_inflight(self) -> int:
+        """From any thread: end every request in flight (a stream with an error event, a whole
+        response with a 503) and cancel its runner requests; how many runner requests were ended."""
+        self.draining = True
+        with self._inflight_lock:
+            sinks = list(self._inflight)
+        for sink in sinks:
+            sink.put(_SHUTDOWN)
+        return len(sinks)
 
     # ---- the app -------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -119,6 +169,7 @@ class Server:
 
         @asynccontextmanager
         async def lifespan(app):
+            self.loop = asyncio.get_running_loop()
             self.runner.core.start()
             self.ready = True
             try:
@@ -127,7 +178,8 @@ class Server:
                 self.ready = False
                 self.runner.core.stop()
 
-        app = FastAPI(title="grok1-jax-runner", lifespan=lifespan)
+        public_docs = {} if not self.private else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+        app = FastAPI(title="grok1-jax-runner", lifespan=lifespan, **public_docs)
 
         @app.exception_handler(APIError)
         async def api_error(request, e: APIError):
@@ -139,12 +191,34 @@ class Server:
             return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").body(),
                                 status_code=500)
 
+        @app.exception_handler(ClientGone)
+        async def client_gone(request, e: ClientGone):  # logged where it was noticed; nobody to answer
+            return Response(status_code=400)
+
         @app.get("/health")
         async def health():
-            return Response(status_code=200 if self.ready else 503)
+            return Response(status_code=200 if self.ready and not self.draining else 503)
+
+        if self.private:  # the docs behind the key too
+            @app.get("/openapi.json", include_in_schema=False)
+            async def openapi(request: HTTPRequest):
+                self._authorize(request)
+                return JSONResponse(app.openapi())
+
+            @app.get("/docs", include_in_schema=False)
+            async def docs(request: HTTPRequest):
+                self._authorize(request)
+                return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
+
+            @app.get("/redoc", include_in_schema=False)
+            async def redoc(request: HTTPRequest):
+                self._authorize(request)
+                return get_redoc_html(openapi_url="/openapi.json", title=app.title)
 
         @app.get("/metrics")
-        async def metrics():
+        async def metrics(request: HTTPRequest):
+            if self.private:
+                self._authorize(request)
             running, waiting = self.runner.core.counts()
             self.metrics.update_load(running, waiting, self.runner.batch_size)
             return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -158,22 +232,25 @@ class Server:
 
         @app.post("/v1/completions")
         async def completions(request: HTTPRequest):
+            arrived = time.perf_counter()
             body = await self._parse(request, CompletionRequest)
-            return await self._completions(body)
+            return await self._completions(body, request, arrived)
 
         @app.post("/v1/chat/completions")
         async def chat(request: HTTPRequest):
+            arrived = time.perf_counter()
             body = await self._parse(request, ChatCompletionRequest)
-            return await self._chat(body)
+            return await self._chat(body, request, arrived)
 
         @app.post("/tokenize")
         async def tokenize(request: HTTPRequest):
             body = await self._parse(request, TokenizeRequest, needs_model=False)
             if (body.prompt is None) == (body.messages is None):
                 raise APIError(400, "tokenize needs exactly one of prompt and messages", "prompt")
-            text = body.prompt if body.prompt is not None else self._render(body.messages)
-            ids = self.runner.tokenizer.encode(text)
-            return {"tokens": ids, "count": len(ids), "max_model_len": self.runner.config.sequence_len}
+            text = body.prompt if body.prompt is not None else await asyncio.to_thread(self._render, body.messages)
+            ids = await asyncio.to_thread(self.runner.tokenizer.encode, text)
+            # JSONResponse directly: FastAPI's encoder walks a long list in Python, on the loop
+            return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.runner.config.sequence_len})
 
         @app.post("/detokenize")
         async def detokenize(request: HTTPRequest):
@@ -187,25 +264,48 @@ class Server:
 
     # ---- checks ------------------------------------------------------------------------------------
     def _authorize(self, request: HTTPRequest) -> None:
+        """``Authorization: Bearer KEY``, the scheme in any case (RFC 7235); the key compared in
+        constant time (of digests, so not even its length shows in the timing)."""
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.api_key}":
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        given = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+        if not (hmac.compare_digest(given, self._key_digest) and scheme.lower() == "bearer"):
             raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", None,
                            type="authentication_error", code="invalid_api_key")
 
+    async def _read_body(self, request: HTTPRequest) -> bytes:
+        """The body, counted as it arrives: past ``max_body_bytes`` a 413, whatever the framing
+        (the rest is read and dropped by uvicorn, so the client sees the answer)."""
+        limit = self.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise APIError(413, f"the request body has {length} bytes, more than {limit}")
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise APIError(413, f"the request body has more than {limit} bytes")
+        except ClientDisconnect:
+            client = "%s:%d" % request.client if request.client else "a client"
+            log.info("%s left during the upload of %s, after %d bytes", client, request.url.path, len(body))
+            raise ClientGone() from None
+        return bytes(body)
+
     async def _parse(self, request: HTTPRequest, model, needs_model: bool = True):
         self._authorize(request)
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            raise APIError(413, f"the request body has {length} bytes, more than {self.max_body_bytes}")
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise APIError(413, f"the request body has {len(raw)} bytes, more than {self.max_body_bytes}")
+        media = request.headers.get("content-type", "")
+        if media.split(";")[0].strip().lower() != "application/json":
+            raise APIError(415, f"Content-Type must be application/json, got {media or 'none'!r}", None,
+                           code="unsupported_media_type")
+        raw = await self._read_body(request)
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not JSON: {e}") from None
+        except RecursionError:
+            raise APIError(400, "the request body is JSON nested too deeply") from None
         if not isinstance(data, dict):
             raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
         try:
@@ -214,16 +314,32 @@ class Server:
             first = e.errors()[0]
             param = ".".join(str(x) for x in first["loc"]) or None
             raise APIError(400, f"{param}: {first['msg']}", param) from None
+        except RecursionError:
+            raise APIError(400, "the request body is JSON nested too deeply") from None
         if needs_model and body.model != self.model_name:
             raise APIError(404, f"The model `{body.model}` does not exist (this server serves "
                            f"`{self.model_name}`)", "model", code="model_not_found")
         return body
 
+    def _check_capacity(self, choices: int, param: str) -> None:
+        """Before any work: a request of more choices than slots plus waiting places can never be
+        admitted (400); one that cannot be admitted now waits for ``_check_load`` (503)."""
+        slots = self.runner.batch_size
+        if choices > slots + self.max_waiting:
+            raise APIError(400, f"{param}: the request has {choices} choices (prompts x n), more than this server "
+                           f"admits at once: {slots} slots + {self.max_waiting} waiting = "
+                           f"{slots + self.max_waiting} (--batch-size, --max-waiting)", param)
+        self._check_load(choices)
+
     def _check_load(self, new: int) -> None:
-        _, waiting = self.runner.core.counts()
-        if waiting + new > self.max_waiting:
-            raise APIError(503, f"the server is overloaded: {waiting} requests wait for a slot (at most "
-                           f"{self.max_waiting}); retry later", None, type="server_overloaded",
+        if self.draining:
+            raise APIError(503, "the server is shutting down", None, type="service_unavailable")
+        running, waiting = self.runner.core.counts()
+        limit = self.runner.batch_size + self.max_waiting
+        if running + waiting + new > limit:
+            raise APIError(503, f"the server is overloaded: {running} requests run and {waiting} wait for a "
+                           f"slot, and {new} more would exceed {limit} ({self.runner.batch_size} slots + "
+                           f"{self.max_waiting} waiting); retry later", None, type="server_overloaded",
                            headers={"Retry-After": "1"})
 
     def _render(self, messages) -> str:
@@ -249,25 +365,30 @@ class Server:
             raise bad_request(e, field) from None
 
     # ---- running choices -------------------------------------------------------------------------
-    def _submit(self, requests: list[Request], field: str) -> list[_Sink]:
-        """Every request checked before any is submitted; then all submitted."""
-        loop = asyncio.get_running_loop()
+    def _submit(self, requests: list[Request], field: str, loop) -> list[_Sink]:
+        """Every request checked before any is submitted; then, if the load allows all of them,
+        all submitted. Runs in a worker thread (a request may hold many prompts)."""
         for r in requests:
             try:
                 self.runner.prepare(r)
             except ValueError as e:
                 raise bad_request(e, field) from None
-        self._check_load(len(requests))
         sinks = []
-        try:
-            for r in requests:
-                sink = _Sink(loop)
-                self.runner.core.submit(r, sink)
-                sinks.append(sink)
-        except ValueError as e:
-            for r in requests[: len(sinks)]:
-                self.runner.core.cancel(r.request_id)
-            raise bad_request(e, field) from None
+        with self._admission:  # no other request admitted between this load check and these submissions
+            self._check_load(len(requests))
+            try:
+                for r in requests:
+                    sink = _Sink(loop)
+                    with self._inflight_lock:
+                        self._inflight.add(sink)
+                    self.runner.core.submit(r, sink)
+                    sinks.append(sink)
+            except ValueError as e:
+                for r in requests[: len(sinks)]:
+                    self.runner.core.cancel(r.request_id)
+                with self._inflight_lock:
+                    self._inflight.difference_update(sinks)
+                raise bad_request(e, field) from None
         return sinks
 
     async def _events(self, choice: _Choice, sink: _Sink, top: int, arrived: float):
@@ -286,6 +407,9 @@ class Server:
                 for event in events:
                     if choice.done:
                         break
+                    if event is _SHUTDOWN:
+                        raise APIError(503, "the server is shutting down: this request was ended before it "
+                                       "finished", None, type="service_unavailable")
                     if event.token_id is not None:
                         if last is None:
                             self.metrics.ttft.observe(now - arrived)
@@ -297,6 +421,8 @@ class Server:
                     piece += choice.add(event, top)
                 yield piece
         finally:
+            with self._inflight_lock:
+                self._inflight.discard(sink)
             self.metrics.generation_tokens.inc(len(choice.tokens))
             if not choice.done or self.runner.core.is_live(request.request_id):
                 self.runner.core.cancel(request.request_id)
@@ -304,13 +430,39 @@ class Server:
                 self.metrics.e2e.observe(time.perf_counter() - arrived)
             self.metrics.finished(choice.finish_reason if choice.done else "abort")  # abort: the client left
 
-    async def _run_all(self, choices, sinks, top, arrived):
+    async def _run_all(self, choices, sinks, top, arrived, http: HTTPRequest):
+        """Every choice to its end, for a whole (not streamed) response; if the client
+        disconnects first, every choice's request is cancelled."""
         async def drain(choice, sink):
             async for _ in self._events(choice, sink, top, arrived):
                 pass
-        await asyncio.gather(*(drain(c, s) for c, s in zip(choices, sinks)))
 
-    async def _stream(self, choices, sinks, top, arrived, chunk, usage):
+        async def disconnect():  # the body is read: the next message is the client leaving
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+
+        tasks = [asyncio.ensure_future(drain(c, s)) for c, s in zip(choices, sinks)]
+        watch = asyncio.ensure_future(disconnect())
+        try:
+            pending = set(tasks)
+            while pending:
+                done, _ = await asyncio.wait(pending | {watch}, return_when=asyncio.FIRST_COMPLETED)
+                pending -= done
+                if watch in done:
+                    self._log_gone(http, len(choices))
+                    raise ClientGone()
+                for t in done:
+                    t.result()  # a choice that failed fails the response
+        finally:
+            for t in (*tasks, watch):
+                t.cancel()  # a task's cancellation cancels its runner request (_events)
+
+    @staticmethod
+    def _log_gone(http: HTTPRequest, requests: int) -> None:
+        client = "%s:%d" % http.client if http.client else "a client"
+        log.info("%s disconnected before its answer to %s; %d request(s) cancelled", client, http.url.path, requests)
+
+    async def _stream(self, choices, sinks, top, arrived, chunk, usage, http: HTTPRequest):
         """SSE: every choice's pieces as ``chunk(choice, piece, first)`` dicts, then the usage chunk
         (when asked) and ``[DONE]``. A disconnect cancels every choice's request."""
         out: asyncio.Queue = asyncio.Queue()
@@ -330,7 +482,7 @@ class Server:
         tasks = [asyncio.ensure_future(pump(c, s)) for c, s in zip(choices, sinks)]
 
         async def body():
-            open_ = len(tasks)
+            open_, complete = len(tasks), False
             try:
                 while open_:
                     item = await out.get()
@@ -341,23 +493,33 @@ class Server:
                 if usage is not None:
                     yield f"data: {json.dumps(usage())}\n\n"
                 yield "data: [DONE]\n\n"
+                complete = True
             finally:  # the client went away (or we are done): no request outlives its response
+                if not complete and any(not t.done() for t in tasks):
+                    self._log_gone(http, len(tasks))
                 for t in tasks:
                     t.cancel()
 
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    def _prepare(self, prompts: list, make_runs, field: str) -> tuple[list[list[int]], list[Request]]:
+        """In a worker thread: each prompt tokenized once and checked, and the runner requests of
+        every choice (made from the ids, so nothing tokenizes them again)."""
+        ids = [self._prompt_ids(p, field) for p in prompts]
+        return ids, [r for i in ids for r in make_runs(i)]
+
     # ---- completions ---------------------------------------------------------------------------------
-    async def _completions(self, body: CompletionRequest):
+    async def _completions(self, body: CompletionRequest, http: HTTPRequest, arrived: float):
         body.check()
-        arrived = time.perf_counter()
         prompts = body.prompts()
+        self._check_capacity(len(prompts) * body.n, "n" if body.n > 1 and len(prompts) == 1 else "prompt")
         max_tokens = body.max_tokens or 16
-        ids = [self._prompt_ids(p, "prompt") for p in prompts]
-        runs = [r for p in prompts for r in body.requests(p, max_tokens, "prompt")]
+        ids, runs = await asyncio.to_thread(self._prepare, prompts,
+                                            lambda i: body.requests(i, max_tokens, "prompt"), "prompt")
         echo_logprobs = body.echo and body.logprobs is not None
-        scores = [await self._prompt_logprobs(i, body.logprobs) for i in ids] if echo_logprobs else None
-        sinks = self._submit(runs, "prompt")
+        scores = await self._prompt_logprobs(ids, body.logprobs) if echo_logprobs else None
+        loop = asyncio.get_running_loop()
+        sinks = await asyncio.to_thread(self._submit, runs, "prompt", loop)
         prompt_tokens = sum(len(i) for i in ids)
         self.metrics.prompt_tokens.inc(prompt_tokens)
         choices = [_Choice(k, r, body.stops()) for k, r in enumerate(runs)]
@@ -395,9 +557,9 @@ class Server:
 
             final = (lambda: {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                               "choices": [], "usage": usage()}) if body.include_usage() else None
-            return await self._stream(choices, sinks, top, arrived, chunk, final)
+            return await self._stream(choices, sinks, top, arrived, chunk, final, http)
 
-        await self._run_all(choices, sinks, top, arrived)
+        await self._run_all(choices, sinks, top, arrived, http)
         out = []
         for c in choices:
             lp = logprobs_of(c, 0, len(echoed(c)))
@@ -416,40 +578,52 @@ class Server:
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": out, "usage": usage()}
 
-    async def _prompt_logprobs(self, ids: list[int], top: int):
+    async def _prompt_logprobs(self, prompts: list[list[int]], top: int) -> list:
         """Each prompt token's log-probability given the tokens before it (the first has none),
-        and its top alternatives: one scoring forward, padded to a prompt bucket."""
+        and its top alternatives: one scoring forward a prompt, padded to a prompt bucket, in a
+        worker thread; at most ``max_scored_tokens`` prompt tokens a request."""
         runner = self.runner
-        size = runner.bucket_for(len(ids))
-        if size < len(ids):
-            raise APIError(400, f"prompt: echo with logprobs scores prompts of up to {size} tokens, got "
-                           f"{len(ids)}", "prompt")
-        tokens = np.zeros((1, size), np.int32)
-        tokens[0, : len(ids)] = ids
+        total = sum(len(i) for i in prompts)
+        if total > self.max_scored_tokens:
+            raise APIError(400, f"echo: with logprobs, a request may have at most {self.max_scored_tokens} prompt "
+                           f"tokens scored (--max-scored-tokens), got {total}", "echo")
+        for ids in prompts:
+            if runner.bucket_for(len(ids)) < len(ids):
+                raise APIError(400, f"prompt: echo with logprobs scores prompts of up to "
+                               f"{runner.bucket_for(len(ids))} tokens, got {len(ids)}", "prompt")
 
-        def score():
+        def score(ids):
+            tokens = np.zeros((1, runner.bucket_for(len(ids))), np.int32)
+            tokens[0, : len(ids)] = ids
             logits = np.asarray(runner.runner.forward(runner.runner.params, tokens, np.array([len(ids)], np.int32)))
-            logits = logits[0, : len(ids)].astype(np.float64)
-            return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+            logits = logits[0, : len(ids) - 1].astype(np.float64)  # position i predicts token i + 1
+            logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+            chosen = logp[np.arange(len(ids) - 1), ids[1:]]
+            tops = [None]
+            if top:
+                best = np.argpartition(-logp, top - 1, axis=-1)[:, :top]
+                for row, candidates in zip(logp, best):
+                    ranked = candidates[np.argsort(-row[candidates], kind="stable")]
+                    tops.append({self._token_text(t): float(row[t]) for t in ranked})
+            else:
+                tops += [{} for _ in range(len(ids) - 1)]
+            return ids, [None] + chosen.tolist(), tops
 
-        logp = await asyncio.get_running_loop().run_in_executor(None, score)
-        scores, tops = [None], [None]
-        for i in range(1, len(ids)):
-            scores.append(float(logp[i - 1, ids[i]]))
-            best = np.argsort(-logp[i - 1])[:top]
-            tops.append({self._token_text(t): float(logp[i - 1, t]) for t in best})
-        return ids, scores, tops
+        return await asyncio.to_thread(lambda: [score(ids) for ids in prompts])
 
     # ---- chat ----------------------------------------------------------------------------------------
-    async def _chat(self, body: ChatCompletionRequest):
+    async def _chat(self, body: ChatCompletionRequest, http: HTTPRequest, arrived: float):
         body.check()
-        arrived = time.perf_counter()
-        prompt = self._render(body.messages)
-        ids = self._prompt_ids(prompt, "messages")
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(
-            1, self.runner.config.sequence_len - len(ids))
-        runs = body.requests(prompt, max_tokens, "messages")
-        sinks = self._submit(runs, "messages")
+        self._check_capacity(body.n, "n")
+        prompt = await asyncio.to_thread(self._render, body.messages)
+
+        def make_runs(ids):
+            max_tokens = body.max_completion_tokens or body.max_tokens or max(
+                1, self.runner.config.sequence_len - len(ids))
+            return body.requests(ids, max_tokens, "messages")
+
+        (ids,), runs = await asyncio.to_thread(self._prepare, [prompt], make_runs, "messages")
+        sinks = await asyncio.to_thread(self._submit, runs, "messages", asyncio.get_running_loop())
         self.metrics.prompt_tokens.inc(len(ids))
         choices = [_Choice(k, r, body.stops()) for k, r in enumerate(runs)]
         top = body.top_logprobs or 0
@@ -486,34 +660,10 @@ class Server:
             final = (lambda: {"id": rid, "object": "chat.completion.chunk", "created": created,
                               "model": self.model_name, "choices": [], "usage": usage()}) \
                 if body.include_usage() else None
-            return await self._stream(choices, sinks, top, arrived, chunk, final)
+            return await self._stream(choices, sinks, top, arrived, chunk, final, http)
 
-        await self._run_all(choices, sinks, top, arrived)
+        await self._run_all(choices, sinks, top, arrived, http)
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "logprobs": logprobs_of(c), "finish_reason": c.finish_reason} for c in choices],
                 "usage": usage()}
-
-
-def serve_forever(app, host: str, port: int) -> None:
-    """Serve ``app`` with uvicorn until SIGINT or SIGTERM, then shut down gracefully (the
-    lifespan stops the engine core, which on several hosts also ends the followers) and return,
-    so the caller can leave ``jax.distributed`` in step with the other processes."""
-    import signal
-    import threading
-
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="uvicorn")  # off the main thread: no signal capture there
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    thread.start()
-    try:
-        while thread.is_alive() and not stop.wait(0.2):
-            pass
-    finally:
-        server.should_exit = True
-        thread.join()
-        for s, handler in previous.items():
-            signal.signal(s, handler)

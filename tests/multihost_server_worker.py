@@ -19,7 +19,7 @@ runner = multihost_runner(tokenizer)
 if jax.process_index() == 0:
     from server import Server, serve_forever
 
-    serve_forever(Server(runner, "multihost").app, "127.0.0.1", int(http_port))
+    serve_forever(Server(runner, "multihost"), "127.0.0.1", int(http_port))
 else:
     runner.core.broadcast = True
     runner.core.follow()

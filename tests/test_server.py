@@ -2,6 +2,7 @@
 raw SSE read with httpx, many concurrent clients, disconnects, bad fields, auth and overload."""
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -20,20 +21,23 @@ import pytest
 import uvicorn
 
 from runner import InferenceRunner, ModelRunner, Request
-from server import Server
+from server import Limits, Server
+from server.http import ShutdownHandle, uvicorn_config
 from tests.test_runner import CONFIG, params  # noqa: F401 (fixture)
 
 MODEL = "tiny-test"
 
 
 class LiveServer:
-    """A uvicorn server in a thread on a free port of 127.0.0.1; ``stop()`` ends it."""
+    """A uvicorn server (the config ``serve`` runs with) in a thread on a free port of 127.0.0.1;
+    ``stop()`` ends it."""
 
-    def __init__(self, server: Server):
+    def __init__(self, server: Server, limits: Limits = Limits()):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.uvicorn = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", lifespan="on"))
+        self.uvicorn = uvicorn.Server(uvicorn_config(server.app, limits, lifespan="on"))
+        self.shutdown = ShutdownHandle(server, self.uvicorn)
         self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.time() + 60
@@ -195,19 +199,35 @@ def _metric(live, name, labels="") -> float:
     return 0.0
 
 
+def _wait(condition, what: str, limit: float = 10):
+    deadline = time.time() + limit
+    while not condition():
+        assert time.time() < deadline, what
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def rounds_by_hand(runner):
+    """Hold the engine core's rounds: none runs but those the test runs itself, by calling what
+    this yields (the core's own thread waits for the lock meanwhile)."""
+    runner.core._round_lock.acquire()
+    try:
+        yield runner.core._round
+    finally:
+        runner.core._round_lock.release()
+
+
 def test_a_disconnect_cancels_the_request_and_frees_its_slot(served):
     runner, _, live = served
     aborted = _metric(live, "vllm:request_success_total", 'finished_reason="abort"')
     body = {"model": MODEL, "prompt": "the", "max_tokens": 60, "temperature": 0, "stream": True}
-    with httpx.stream("POST", live.url + "/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
-        runner.core._round_lock.acquire()  # hold the rounds: the request cannot finish by itself meanwhile
-    try:
+    with rounds_by_hand(runner) as round_:  # the request cannot finish by itself meanwhile
+        with httpx.stream("POST", live.url + "/v1/completions", json=body) as r:
+            _wait(lambda: sum(runner.core.counts()) == 1, "the request was not submitted")
+            round_(), round_()  # its prefill, and a decode call that reads the prefill's token
+            assert next(r.iter_lines()).startswith("data: ")
         time.sleep(0.5)  # the server notices the disconnect and queues the cancellation
         assert _metric(live, "vllm:num_requests_running") == 1
-    finally:
-        runner.core._round_lock.release()
     deadline = time.time() + 10
     while _metric(live, "vllm:num_requests_running") != 0:
         assert time.time() < deadline, "the disconnected request still holds its slot"
@@ -278,17 +298,41 @@ def test_tokenize_and_detokenize(served):
     assert httpx.post(live.url + "/detokenize", json={"tokens": [10**6]}).status_code == 400
 
 
-def test_auth_and_overload(params, test_tokenizer):
-    runner = _runner(params, test_tokenizer, batch_size=1)
-    live = LiveServer(Server(runner, MODEL, api_key="sekrit", max_waiting=1))
-    try:
+@pytest.fixture(scope="module")
+def one_slot(params, test_tokenizer):
+    """A one-slot runner for the tests that build their own server over it, one at a time."""
+    return _runner(params, test_tokenizer, batch_size=1)
+
+
+class own_server:
+    """``with own_server(runner, **Server kwargs) as (server, live):`` a server of its own."""
+
+    def __init__(self, runner, limits: Limits = Limits(), **kwargs):
+        self.server = Server(runner, MODEL, **kwargs)
+        self.limits = limits
+
+    def __enter__(self):
+        self.live = LiveServer(self.server, self.limits)
+        return self.server, self.live
+
+    def __exit__(self, *exc):
+        self.live.stop()
+
+
+def test_auth_and_overload(one_slot):
+    with own_server(one_slot, api_key="sekrit", max_waiting=1) as (_, live):
         url = live.url + "/v1/completions"
         body = {"model": MODEL, "prompt": "the", "max_tokens": 3, "temperature": 0}
         assert httpx.post(url, json=body).status_code == 401
-        assert httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        for header in ("Bearer wrong", "Basic sekrit", "Bearer", "sekrit", "Bearer sekrit2", "Bearer sekri"):
+            assert httpx.post(url, json=body, headers={"Authorization": header}).status_code == 401, header
+        for header in ("Bearer sekrit", "bearer sekrit", "BEARER sekrit", "Bearer  sekrit"):  # RFC 7235: any case
+            assert httpx.post(url, json=body, headers={"Authorization": header}).status_code == 200, header
         auth = {"Authorization": "Bearer sekrit"}
-        assert httpx.post(url, json=body, headers=auth).status_code == 200
-        assert httpx.get(live.url + "/health").status_code == 200  # no key needed
+        # public without the key: health, metrics and the docs (and only those)
+        for path in ("/health", "/metrics", "/docs", "/openapi.json"):
+            assert httpx.get(live.url + path).status_code == 200, path
+        assert httpx.get(live.url + "/v1/models").status_code == 401
         # one slot and one waiting place: of 6 simultaneous long requests, some are answered 503
         long = {**body, "max_tokens": 60}
 
@@ -300,8 +344,145 @@ def test_auth_and_overload(params, test_tokenizer):
         assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= 1, codes
         rejected = next(r for r in asyncio.run(burst()) if r.status_code == 503)
         assert rejected.headers["retry-after"] == "1" and rejected.json()["error"]["type"] == "server_overloaded"
-    finally:
-        live.stop()
+
+
+def test_metrics_and_docs_behind_the_key_when_asked(one_slot):
+    with pytest.raises(ValueError, match="needs an api_key"):
+        Server(one_slot, MODEL, private_docs_and_metrics=True)
+    with own_server(one_slot, api_key="sekrit", private_docs_and_metrics=True) as (_, live):
+        assert httpx.get(live.url + "/health").status_code == 200
+        for path in ("/metrics", "/docs", "/redoc", "/openapi.json"):
+            assert httpx.get(live.url + path).status_code == 401, path
+            r = httpx.get(live.url + path, headers={"Authorization": "bearer sekrit"})
+            assert r.status_code == 200, path
+        assert "vllm:num_requests_running" in httpx.get(live.url + "/metrics",
+                                                        headers={"Authorization": "Bearer sekrit"}).text
+
+
+def test_json_endpoints_take_only_json(served):
+    _, _, live = served
+    body = json.dumps({"model": MODEL, "prompt": "the", "max_tokens": 2})
+    for media in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {} if media is None else {"Content-Type": media}
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+            r = httpx.post(live.url + path, content=body, headers=headers)
+            assert r.status_code == 415 and "application/json" in r.json()["error"]["message"], (media, path, r.text)
+    r = httpx.post(live.url + "/v1/completions", content=body, headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+def test_malformed_and_too_deep_json_are_a_400(served):
+    _, _, live = served
+    headers = {"Content-Type": "application/json"}
+    for raw in (b"[" * 10000 + b"]" * 10000, b'{"model": "tiny-test", "prompt": "the", "stream_options": '
+                + b"[" * 10000 + b"]" * 10000 + b"}", b'{"model": "tiny-test", "prompt": "the", "user": '
+                + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}", b"\xff\xfe{}", b"", b'{"model": "tiny-test",'):
+        r = httpx.post(live.url + "/v1/completions", content=raw, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (raw[:40], r.text[:200])
+    assert httpx.get(live.url + "/health").status_code == 200
+
+
+def test_choices_that_fit_are_served_and_those_that_never_fit_are_a_400(one_slot):
+    """1 slot + 3 waiting: 4 prompts on an idle server are all served (a 503 before); 5 can never
+    be admitted at once, so a 400 naming the limit, not a retryable 503."""
+    prompts = [[5, 6], [7, 8, 9], [10], [11, 12]]
+    with own_server(one_slot, max_waiting=3) as (_, live):
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, temperature=0)
+        assert [c.text for c in r.choices] == [solo_text(one_slot, p, temperature=0.0, max_len=3)[0] for p in prompts]
+        assert len(client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2, n=4).choices) == 4
+        for fields, param in (({"prompt": prompts + [[13]]}, "prompt"), ({"prompt": [5, 6], "n": 5}, "n"),
+                              ({"prompt": [[5], [6], [7]], "n": 2}, "prompt"),
+                              ({"prompt": ["the"] * 3000, "echo": True, "logprobs": 2}, "prompt")):
+            r = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "max_tokens": 2, **fields})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+            assert "1 slots + 3 waiting = 4" in r.json()["error"]["message"], r.text
+        r = httpx.post(live.url + "/v1/chat/completions",
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "the"}], "n": 5, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
+def test_prompt_scoring_has_a_budget(one_slot):
+    ids = one_slot.tokenizer.encode("the house of her sister")
+    assert len(ids) >= 4
+    with own_server(one_slot, max_scored_tokens=len(ids) + 1) as (_, live):
+        url = live.url + "/v1/completions"
+        body = {"model": MODEL, "max_tokens": 1, "echo": True, "logprobs": 1}
+        ok = httpx.post(url, json={**body, "prompt": "the house of her sister"})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None
+        r = httpx.post(url, json={**body, "prompt": ["the house of her sister"] * 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+        assert f"at most {len(ids) + 1} prompt tokens" in r.json()["error"]["message"]
+        # without logprobs nothing is scored, so no budget applies
+        assert httpx.post(url, json={**body, "logprobs": None, "prompt": ["the house"] * 2}).status_code == 200
+
+
+def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(served, caplog):
+    """Its requests are cancelled (``abort``), never run to their end as a success, and the
+    disconnect is one info line."""
+    runner, _, live = served
+    aborted = _metric(live, "vllm:request_success_total", 'finished_reason="abort"')
+    done = _metric(live, "vllm:request_success_total", 'finished_reason="length"')
+    caplog.set_level("INFO", logger="grok_runner.server")
+    body = json.dumps({"model": MODEL, "prompt": "the", "max_tokens": 60, "temperature": 0, "n": 2}).encode()
+    with rounds_by_hand(runner) as round_:  # the request cannot finish by itself meanwhile
+        with socket.create_connection(("127.0.0.1", int(live.url.rsplit(":", 1)[1])), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            _wait(lambda: sum(runner.core.counts()) == 2, "the request was not submitted")
+            round_(), round_()  # both choices' prefills, and a decode call: they run
+            assert runner.core.counts()[0] == 2
+        _wait(lambda: any("disconnected before its answer" in r.message for r in caplog.records),
+              "the disconnect was not noticed")
+    _wait(lambda: _metric(live, "vllm:request_success_total", 'finished_reason="abort"') == aborted + 2,
+          "the requests were not counted as aborted")
+    _wait(runner.core.idle, "the requests still run")
+    assert _metric(live, "vllm:request_success_total", 'finished_reason="length"') == done
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+
+
+def test_a_client_leaving_during_its_upload_is_one_info_line(served, caplog):
+    _, _, live = served
+    caplog.set_level("INFO", logger="grok_runner.server")
+    with socket.create_connection(("127.0.0.1", int(live.url.rsplit(":", 1)[1])), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        time.sleep(0.3)
+    _wait(lambda: any("left during the upload of /v1/completions, after 10 bytes" in r.message
+                      for r in caplog.records), "the disconnect was not logged")
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL") or r.exc_info]
+    assert httpx.get(live.url + "/health").status_code == 200
+
+
+def test_shutdown_ends_requests_in_flight_with_an_error(one_slot):
+    """Draining refuses new work and reports not ready; at the drain timeout a stream in flight
+    ends with an error event and [DONE], a whole response with a 503, and their runner requests
+    are cancelled."""
+    with own_server(one_slot) as (server, live):
+        url = live.url + "/v1/completions"
+        body = {"model": MODEL, "prompt": "the", "max_tokens": 50, "temperature": 0}
+        with rounds_by_hand(one_slot) as round_:  # nothing finishes by itself from here on
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as stream:
+                _wait(lambda: sum(one_slot.core.counts()) == 1, "the stream's request was not submitted")
+                round_(), round_()
+                lines = stream.iter_lines()
+                assert next(lines).startswith("data: ")
+                whole = {}
+                waiter = threading.Thread(target=lambda: whole.update(r=httpx.post(url, json=body, timeout=30)))
+                waiter.start()
+                _wait(lambda: sum(one_slot.core.counts()) == 2, "the second request was not submitted")
+                server.begin_drain()
+                assert httpx.get(live.url + "/health").status_code == 503
+                refused = httpx.post(url, json=body)
+                assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+                assert live.shutdown.server is server
+                live.shutdown.expire()
+                waiter.join(timeout=30)
+                assert whole["r"].status_code == 503, whole["r"].text
+                assert "shutting down" in whole["r"].json()["error"]["message"]
+                rest = [line for line in lines if line]
+                assert rest[-1] == "data: [DONE]" and "shutting down" in json.loads(rest[-2][6:])["error"]["message"]
+        _wait(one_slot.core.idle, "the ended requests still run")
 
 
 def test_the_shipped_model_served_end_to_end():
