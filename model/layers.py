@@ -158,14 +158,15 @@ class MoELayer(nn.Module):
     output is ``sum_j gate_j * expert_{idx_j}(x)`` with the raw (not renormalised) top-k router
     probabilities as gates. One way to compute it (``moe``): route, sort the (token, expert)
     pairs by expert, three grouped matmuls of the backend, combine. Each expert computes exactly
-    the rows routed to it.
+    the rows routed to it. Tokens that are not ``valid_BT`` (padding past a row's length, a free
+    slot's row) are routed to no expert: they cost nothing in the MoE and their output is 0.
     """
 
     config: ModelConfig
     backend: object = DEFAULT_BACKEND
 
     @nn.compact
-    def __call__(self, x_BTD, probs_BTE):
+    def __call__(self, x_BTD, probs_BTE, valid_BT=None):
         c = self.config
         d, f, e, top = c.emb_size, c.ffn_size, c.num_experts, c.num_selected_experts
         dtype = x_BTD.dtype
@@ -177,26 +178,33 @@ class MoELayer(nn.Module):
         # Grok-1 casts the gates to bf16; here they take the activation dtype (equal in bf16 mode,
         # and exact in fp32: the reference's own fp32 h_out is closer this way, see README).
         gates_Mk = gates_BTk.astype(dtype).reshape(b * t, top)
-        out_MD = moe(x_BTD.reshape(b * t, d), gates_Mk, idx_BTk.reshape(b * t, top), weights, self.backend, dtype)
+        valid_M = None if valid_BT is None else valid_BT.reshape(b * t)
+        out_MD = moe(x_BTD.reshape(b * t, d), gates_Mk, idx_BTk.reshape(b * t, top), weights, self.backend, dtype,
+                     valid_M)
         return out_MD.reshape(b, t, d).astype(dtype)
 
 
-def moe(x_MD, gates_Mk, idx_Mk, weights, backend, dtype):
+def moe(x_MD, gates_Mk, idx_Mk, weights, backend, dtype, valid_M=None):
     """``sum_j gate_j * expert_{idx_j}(x)`` for ``weights = (gate, up, down)``, stacked ``[E, ., .]``
     (or in the backend's layout).
 
     A stable sort of the (token, slot) pairs by expert lists each expert's rows contiguously
     (``R = M * k`` rows, ``sizes_E`` of them per expert); the backend's ``grouped_matmul`` runs
     each group by its own expert; the gated rows are added back to their tokens. Each token's
-    result depends on its own rows only. ``[M, D]`` float32.
+    result depends on its own rows only. A token not in ``valid_M`` (``[M]`` bool; default all)
+    takes the out-of-range expert E: its rows sort last, past every group, so no expert computes
+    them (an expert none of the valid tokens picked is never read) and its result is 0.
+    ``[M, D]`` float32.
     """
     m, d = x_MD.shape
     top = idx_Mk.shape[1]
     gate, up, down = weights
     num_experts = gate.shape[0]
     expert_R = idx_Mk.reshape(-1)  # a token picks an expert at most once
+    if valid_M is not None:
+        expert_R = jnp.where(jnp.repeat(valid_M, top), expert_R, num_experts)
     order_R = jnp.argsort(expert_R, stable=True)
-    sizes_E = jnp.zeros((num_experts,), jnp.int32).at[expert_R].add(1)
+    sizes_E = jnp.zeros((num_experts,), jnp.int32).at[expert_R].add(1, mode="drop")  # expert E counts nowhere
     tok_R = order_R // top
     x_RD = x_MD[tok_R]
     hidden_RF = (jax.nn.gelu(backend.grouped_matmul(x_RD, gate, sizes_E, dtype), approximate=True)
@@ -214,7 +222,7 @@ class DecoderLayer(nn.Module):
     backend: object = DEFAULT_BACKEND
 
     @nn.compact
-    def __call__(self, h_BTD, *, positions_BT, mask_BTS, cache=None):
+    def __call__(self, h_BTD, *, positions_BT, mask_BTS, cache=None, valid_BT=None):
         c = self.config
         attn_BTD, cache = MultiHeadAttention(c, self.backend, name="multi_head_attention")(
             RMSNorm(c.rms_norm_eps, name="rms_norm")(h_BTD), positions_BT, mask_BTS, cache)
@@ -228,7 +236,7 @@ class DecoderLayer(nn.Module):
                                    dequantize(w_router, jnp.float32))
         probs_BTE = jax.nn.softmax(router_logits, axis=-1)
         self.sow("intermediates", "router_probs", probs_BTE)
-        moe_BTD = MoELayer(c, self.backend, name="moe")(x_BTD, probs_BTE)
+        moe_BTD = MoELayer(c, self.backend, name="moe")(x_BTD, probs_BTE, valid_BT)
         self.sow("intermediates", "moe_out", moe_BTD)
         h_BTD = constrain(h_BTD + RMSNorm(c.rms_norm_eps, name="rms_norm_3")(moe_BTD), RESIDUAL)
         self.sow("intermediates", "h_out", h_BTD)

@@ -74,13 +74,13 @@ class Transformer(nn.Module):
     backend: object = DEFAULT_BACKEND
 
     @nn.compact
-    def __call__(self, h_BTD, *, positions_BT, mask_BTS, memory: KVMemory | None):
+    def __call__(self, h_BTD, *, positions_BT, mask_BTS, memory: KVMemory | None, valid_BT=None):
         new_k, new_v = [], []
         for i in range(self.config.num_layers):
             cache = None if memory is None else (memory.k[i], memory.v[i])
             with jax.named_scope(f"decoder_layer_{i}"):
                 h_BTD, cache = DecoderLayer(self.config, self.backend, name=f"decoder_layer_{i}")(
-                    h_BTD, positions_BT=positions_BT, mask_BTS=mask_BTS, cache=cache)
+                    h_BTD, positions_BT=positions_BT, mask_BTS=mask_BTS, cache=cache, valid_BT=valid_BT)
             if cache is not None:
                 new_k.append(cache[0])
                 new_v.append(cache[1])
@@ -94,19 +94,22 @@ def attention_mask(tokens_BT, lengths_B, pad_token: int, step_B=None, sequence_l
     in the reference: a key is padding if its token is ``pad_token`` or it lies at or beyond the
     row's length. With memory (S = sequence_len): key s is visible to query t iff
     ``s <= step + t`` and ``s < step + length`` (positions, not token ids: the cache keeps no ids).
+    A query at or beyond its row's length (padding, a free slot's decode row) sees no key: its
+    output is never read, so attention skips it (the CPU kernel reads no cache for it).
     """
     b, t = tokens_BT.shape
     q_pos_BT = jnp.arange(t)[None, :]
+    query_ok_BT = q_pos_BT < lengths_B[:, None]
     if step_B is None:
         k_pos_S = jnp.arange(t)
         key_ok_BS = (tokens_BT != pad_token) & (k_pos_S[None, :] < lengths_B[:, None])
         causal_TS = k_pos_S[None, :] <= jnp.arange(t)[:, None]
-        return key_ok_BS[:, None, :] & causal_TS[None]
+        return key_ok_BS[:, None, :] & causal_TS[None] & query_ok_BT[:, :, None]
     k_pos_S = jnp.arange(sequence_len)
     abs_q_BT = step_B[:, None] + q_pos_BT
     causal_BTS = k_pos_S[None, None, :] <= abs_q_BT[:, :, None]
     valid_BS = k_pos_S[None, :] < (step_B + lengths_B)[:, None]
-    return causal_BTS & valid_BS[:, None, :]
+    return causal_BTS & valid_BS[:, None, :] & query_ok_BT[:, :, None]
 
 
 class LanguageModel(nn.Module):
@@ -136,10 +139,14 @@ class LanguageModel(nn.Module):
         mask_BTS = attention_mask(tokens_BT, lengths_B, c.pad_token, step_B,
                                   None if memory is None else kv_len or memory.sequence_len)
 
+        # Positions past a row's length (a bucket's padding, a free slot's decode row) are never
+        # read by a valid position, so the MoE skips them: a step costs what its real tokens cost.
+        valid_BT = jnp.arange(t)[None, :] < lengths_B[:, None]
+
         head = LanguageModelHead(c, self.backend, name="language_model")
         h_BTD = head.embed(tokens_BT)
         h_BTD, (k, v) = Transformer(c, self.backend, name="transformer")(
-            h_BTD, positions_BT=positions_BT, mask_BTS=mask_BTS, memory=memory)
+            h_BTD, positions_BT=positions_BT, mask_BTS=mask_BTS, memory=memory, valid_BT=valid_BT)
         if last_only:
             # Only the last real token's hidden state is unembedded (prefill): [B, 1, D].
             last_B = jnp.maximum(lengths_B - 1, 0)

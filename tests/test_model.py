@@ -181,6 +181,30 @@ def test_grouped_moe_loops_when_one_expert_gets_more_than_a_group(name):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_tokens_past_their_rows_length_reach_no_expert(name):
+    """Padding and free slots' rows are routed to no expert: valid tokens get the per-token
+    definition, the others exactly 0, even where the only experts they pick hold NaN weights
+    (computing any of their rows would spread the NaN). Not with NaNs on ragged_dot: XLA:CPU
+    lowers it to every expert on every row, masked (0 x NaN is NaN); the backends of CPU
+    serving skip an expert with no rows."""
+    config = dataclasses.replace(TINY, num_experts=8, num_selected_experts=2)
+    x = jax.random.normal(jax.random.PRNGKey(16), (3, 6, config.emb_size))
+    valid = jnp.arange(6)[None, :] < jnp.array([6, 2, 0])[:, None]  # a full row, a padded one, a free one
+    # valid tokens pick experts 0 and 1, the others 6 and 7
+    logits = jax.random.normal(jax.random.PRNGKey(17), (3, 6, 8))
+    probs = jax.nn.softmax(jnp.where(valid[..., None], logits.at[..., :2].add(20.0), logits.at[..., 6:].add(20.0)))
+    params = nn.meta.unbox(MoELayer(config).init(jax.random.PRNGKey(18), x, probs)["params"])
+    if name != "xla":
+        params = jax.tree_util.tree_map(lambda w: w.at[6:].set(jnp.nan), params)
+    backend, used = arranged({"moe": params}, name)
+    got = np.asarray(MoELayer(config, backend).apply({"params": used["moe"]}, x, probs, valid)).reshape(18, -1)
+    keep = np.asarray(valid).reshape(18)
+    want = slow_moe(np.asarray(x).reshape(18, -1)[keep], np.asarray(probs).reshape(18, -1)[keep], params, 2)
+    np.testing.assert_allclose(got[keep], want, atol=1e-4, rtol=1e-4)
+    assert np.all(got[~keep] == 0)
+
+
 def test_weights_held_in_a_layout_of_the_wrong_shape_are_rejected(tiny_params):
     backend, split = arranged(tiny_params, "cpu")
     layer = split["transformer"]["decoder_layer_0"]["moe"]["linear"]
