@@ -1,0 +1,85 @@
+"""What a decode step costs with L live requests in a fixed batch of slots, against a runner of
+L slots.
+
+    python -m bench.live [--slots 8] [--live 1,2,4,8] [--context 256] [--rounds 15] [--out FILE]
+
+The bench config (``bench/common.py``, random weights, fp32), one CPU device, the runner's
+default backend. One ``ModelRunner`` of ``--slots`` slots and one of L slots for each L; each
+timed call is ``steps`` decode steps from a state whose first L slots are busy at ``--context``
+(the rest free), the runners taking turns call by call, medians over ``--rounds``. A free slot
+still runs through the attention and the dense layers of a fixed batch; what the step should not
+pay for is the MoE's experts (issue 22: the 1-live step within 15% of a 1-slot runner's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from bench.common import BENCH, busy, cpu
+from model import init_params
+from runner import ModelRunner
+
+
+def with_live(engine, state, live: int, position: int, tokens: np.ndarray):
+    """``busy`` (every slot at ``position``), then all but the first ``live`` slots freed."""
+    state = busy(engine, state, position, tokens)
+    active = np.arange(len(tokens)) < live
+    return state.replace(active=jax.device_put(active, engine._state_shardings.active))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--live", default="1,2,4,8")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    lives = [int(x) for x in args.live.split(",")]
+    params = init_params(BENCH, jax.random.PRNGKey(0))
+    kv_len = 1 << args.context.bit_length()
+    runs = {}  # (slots, live) -> (engine, step function, state, tokens)
+    for slots, live in [(args.slots, live) for live in lives] + [(live, live) for live in lives if live != args.slots]:
+        key = (slots, live)
+        if slots not in {s for s, _ in runs}:
+            engine = ModelRunner(model=BENCH, params=params)
+            engine.initialize(batch_size=slots)
+            step = engine.sample_step.variant(kv_len=kv_len, steps=args.steps)
+            tokens = np.random.default_rng(slots).integers(4, BENCH.vocab_size, slots).astype(np.int32)
+            shared = [engine, step, engine.new_state(), tokens]
+        else:
+            shared = next(v for (s, _), v in runs.items() if s == slots)
+        runs[key] = shared
+    times = {key: [] for key in runs}
+    for i in range(args.rounds + 1):  # the first round compiles and warms up
+        for (slots, live), shared in runs.items():
+            engine, step, state, tokens = shared
+            state = with_live(engine, state, live, args.context, tokens)
+            start = time.perf_counter()
+            shared[2], out = step(engine.params, state)
+            jax.block_until_ready(out)
+            if i:
+                times[(slots, live)].append((time.perf_counter() - start) / args.steps * 1e3)
+    med = {key: statistics.median(t) for key, t in times.items()}
+    print(f"{cpu()}; bench config, context {args.context}, {args.steps} steps a call, medians of {args.rounds}")
+    print(f"| live requests L | {args.slots}-slot runner, ms/step | L-slot runner, ms/step | ratio |")
+    print("|---:|---:|---:|---:|")
+    rows = []
+    for live in lives:
+        fixed, own = med[(args.slots, live)], med[(live, live)]
+        rows.append({"live": live, "fixed_ms": fixed, "own_ms": own, "ratio": fixed / own})
+        print(f"| {live} | {fixed:.2f} | {own:.2f} | {fixed / own:.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"cpu": cpu(), "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
