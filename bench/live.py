@@ -9,6 +9,9 @@ timed call is ``steps`` decode steps from a state whose first L slots are busy a
 (the rest free), the runners taking turns call by call, medians over ``--rounds``. A free slot
 still runs through the attention and the dense layers of a fixed batch; what the step should not
 pay for is the MoE's experts (issue 22: the 1-live step within 15% of a 1-slot runner's).
+``--prefill P,...`` also times a prompt of P tokens padded to one bucket of ``sequence_len``
+(prefill and its first token, a 1-slot runner; medians of ``--rounds``): the bucket's padding
+should cost less than its real tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 
 from bench.common import BENCH, busy, cpu
 from model import init_params
-from runner import ModelRunner
+from runner import InferenceRunner, ModelRunner, Request
 
 
 def with_live(engine, state, live: int, position: int, tokens: np.ndarray):
@@ -40,6 +43,7 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--prefill", default="", help="prompt lengths to prefill in one bucket of sequence_len")
     p.add_argument("--out")
     args = p.parse_args(argv)
     lives = [int(x) for x in args.live.split(",")]
@@ -76,9 +80,25 @@ def main(argv=None) -> None:
         fixed, own = med[(args.slots, live)], med[(live, live)]
         rows.append({"live": live, "fixed_ms": fixed, "own_ms": own, "ratio": fixed / own})
         print(f"| {live} | {fixed:.2f} | {own:.2f} | {fixed / own:.2f} |")
+    prefill = {}
+    if args.prefill:
+        runner = InferenceRunner(runner=ModelRunner(model=BENCH, params=params), batch_size=1,
+                                 pad_sizes=(BENCH.sequence_len,))
+        runner.initialize()
+        rng = np.random.default_rng(0)
+        for length in [int(x) for x in args.prefill.split(",")]:
+            ids = rng.integers(4, BENCH.vocab_size, length).tolist()
+            runner.complete(Request(ids, temperature=0.0, max_len=1))  # warm
+            took = []
+            for _ in range(args.rounds):
+                start = time.perf_counter()
+                runner.complete(Request(ids, temperature=0.0, max_len=1))
+                took.append(time.perf_counter() - start)
+            prefill[length] = statistics.median(took) * 1e3
+            print(f"prefill of {length} tokens in a {BENCH.sequence_len}-token bucket: {prefill[length]:.0f} ms")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"cpu": cpu(), "args": vars(args), "rows": rows}, f, indent=1)
+            json.dump({"cpu": cpu(), "args": vars(args), "rows": rows, "prefill_ms": prefill}, f, indent=1)
 
 
 if __name__ == "__main__":
