@@ -63,7 +63,8 @@ def parse_args(argv):
                    help="random seed; the same seed gives the same text (default 0); prompt i gets seed + i")
     p.add_argument("--batch-size", type=bounded(int, 1, 1 << 16, "an integer >= 1"), default=None,
                    help="decode slots (default: 1 per device)")
-    p.add_argument("--pad-sizes", help="comma-separated prompt buckets (default: powers of two to sequence_len)")
+    p.add_argument("--pad-sizes", help="comma-separated prompt buckets (default: powers of four from 16, and "
+                   "sequence_len)")
     p.add_argument("--mesh", default=None, help="device mesh DATA,MODEL (default 1,1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation dtype "
                    "(default: the checkpoint's; float32 is used on CPU, where bf16 matmuls are slow)")
@@ -132,6 +133,16 @@ def plan(parser, args) -> int:
     return 0
 
 
+def pad_sizes_of(parser, text):
+    """``--pad-sizes``: positive integers, or None for the runner's default."""
+    if not text:
+        return None
+    sizes = int_list(parser, "--pad-sizes", text)
+    if min(sizes) < 1:
+        parser.error(f"argument --pad-sizes: expected positive integers, got {text!r}")
+    return sizes
+
+
 def int_list(parser, flag, text):
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -193,6 +204,8 @@ def serve(argv) -> int:
     p.add_argument("--private-docs-and-metrics", action="store_true",
                    help="with --api-key, require the key for /metrics, /docs, /redoc and /openapi.json too "
                    "(only /health stays public)")
+    p.add_argument("--pad-sizes", help="comma-separated prompt buckets, each compiled at start (default: powers "
+                   "of four from 16, and sequence_len)")
     p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto", help="see run.py --help")
     p.add_argument("--compile-cache", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
@@ -214,6 +227,7 @@ def serve(argv) -> int:
         p.error(f"--mesh must be DATA,MODEL, got {args.mesh!r}")
     if args.private_docs_and_metrics and not args.api_key:
         p.error("--private-docs-and-metrics needs --api-key (or GROK_RUNNER_API_KEY)")
+    pad_sizes = pad_sizes_of(p, args.pad_sizes)
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -234,7 +248,7 @@ def serve(argv) -> int:
         runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, model=args.config,
                                                     backend=args.backend),
                                  tokenizer_path=args.tokenizer, batch_size=args.batch_size,
-                                 local_mesh_config=tuple(mesh))
+                                 local_mesh_config=tuple(mesh), pad_sizes=pad_sizes)
         runner.initialize()
         if jax.process_index() != 0:  # several hosts: follow process 0's rounds until it stops
             runner.core.broadcast = True
@@ -283,9 +297,7 @@ def generate(parser, args, start: float) -> int:
     mesh = int_list(parser, "--mesh", args.mesh) if args.mesh else [1, 1]
     if len(mesh) != 2 or min(mesh) < 1:
         parser.error(f"argument --mesh: expected DATA,MODEL (two positive integers), got {args.mesh!r}")
-    pad_sizes = int_list(parser, "--pad-sizes", args.pad_sizes) if args.pad_sizes else None
-    if pad_sizes is not None and min(pad_sizes) < 1:
-        parser.error(f"argument --pad-sizes: expected positive integers, got {args.pad_sizes!r}")
+    pad_sizes = pad_sizes_of(parser, args.pad_sizes)
     if prompt_ids is not None:
         prompts = [int_list(parser, "--prompt-ids", prompt_ids)]
     elif args.prompt is not None:

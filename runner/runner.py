@@ -31,6 +31,14 @@ from runner.requests import Request, TokenEvent
 from runner.tokenizer import Tokenizer
 
 
+# Padding a prompt's last chunk by this many positions costs less than one more device call (at
+# small chunk sizes a prefill call's time goes to reading the weights, not to its positions). For
+# the same reason a chunk of a bucket this small attends over the whole context even when it is a
+# prompt's first: the longer attention costs nothing measurable, and one compiled variant serves
+# first and later chunks.
+PAD_SLACK = 64
+
+
 def default_pad_sizes(sequence_len: int, smallest: int = 16) -> tuple[int, ...]:
     """Powers of four from ``smallest`` up to ``sequence_len`` (itself included): a prompt is padded
     by at most 4x, and there are few buckets to compile at start-up."""
@@ -123,9 +131,12 @@ class InferenceRunner:
         (XLA compiles without the GIL); the calls that follow find them compiled.
         """
         dummy = Request([1], temperature=1.0, max_len=2)
-        prefills = [(np.ones((bucket,), np.int32), True, bucket) for bucket in self.pad_sizes]
-        if self.pad_sizes[-1] < self.config.sequence_len:  # continuation chunks of long prompts
-            prefills.append((np.ones((self.pad_sizes[-1],), np.int32), False, self.config.sequence_len))
+        # every (bucket, kv_len) that prefill_chunks makes: each bucket as a prompt's first chunk,
+        # and as a later one if it is not the whole context
+        variants = {(bucket, self._chunk_kv_len(bucket, True)) for bucket in self.pad_sizes}
+        variants |= {(bucket, self._chunk_kv_len(bucket, False)) for bucket in self.pad_sizes
+                     if bucket < self.config.sequence_len}
+        prefills = [(np.ones((bucket,), np.int32), True, kv_len) for bucket, kv_len in sorted(variants)]
         args = [prefill_args(self.config.eos_token, 0, chunk, 1, reset, dummy) for chunk, reset, _ in prefills]
         lowered = [self.runner.prefill_memory.variant(kv_len=kv_len).lower(self.runner.params, self.state, a)
                    for a, (_, _, kv_len) in zip(args, prefills)]
@@ -219,17 +230,28 @@ class InferenceRunner:
     def bucket_for(self, length: int) -> int:
         return _smallest_at_least(self.pad_sizes, length)
 
+    def _chunk_kv_len(self, size: int, first: bool) -> int:
+        return size if first and size > PAD_SLACK else self.config.sequence_len
+
     def prefill_chunks(self, ids: list[int]) -> list[tuple[np.ndarray, int, int]]:
-        """The prompt as (padded chunk, real length, kv_len) triples: the first chunk in the
-        smallest bucket that holds it (attending over that bucket), the rest of a long prompt in
-        largest-bucket chunks attending over the whole memory."""
-        largest, chunks = self.pad_sizes[-1], []
-        for start in range(0, len(ids), largest):
-            part = ids[start:start + largest]
-            size = self.bucket_for(len(part)) if start == 0 else largest
+        """The prompt as (padded chunk, real length, kv_len) triples, so that padding wastes
+        little: the rest of the prompt goes into the smallest bucket that holds it when that pads
+        it by at most an eighth of the prompt (or by at most ``PAD_SLACK`` positions), else a full
+        chunk of the largest bucket that it fills is taken first. A 1,056-token prompt with
+        buckets 16, 64, ..., 1024, 2048 is 1,024 + 32 (in a 64 bucket), not 1,056 in 2,048. The
+        first chunk attends over its own bucket, the later ones over the whole memory."""
+        sizes, chunks, start, total = self.pad_sizes, [], 0, len(ids)
+        while start < total:
+            rest = total - start
+            fit = self.bucket_for(rest)
+            if fit >= rest and (fit - rest <= max(total // 8, PAD_SLACK) or fit == sizes[0]):
+                size, take = fit, rest
+            else:  # the largest bucket the rest fills (one exists: the rest exceeds the smallest)
+                size = take = max(s for s in sizes if s <= rest)
             padded = np.zeros((size,), np.int32)
-            padded[: len(part)] = part
-            chunks.append((padded, len(part), size if start == 0 else self.config.sequence_len))
+            padded[:take] = ids[start:start + take]
+            chunks.append((padded, take, self._chunk_kv_len(size, start == 0)))
+            start += take
         return chunks
 
 

@@ -9,6 +9,7 @@ import pytest
 from model import TINY, forward, init_params
 from runner import InferenceRunner, ModelRunner, PrefillArgs, Request, sample_from_model
 from runner.compile_count import compilations
+from runner.runner import PAD_SLACK, default_pad_sizes
 from tests.helpers import lively
 
 CONFIG = dataclasses.replace(TINY, vocab_size=320)
@@ -76,6 +77,41 @@ def mixed_requests(n):
                     dict(temperature=1.3, top_k=5, rng_seed=7)][i % 4]
         requests.append(Request(prompt_ids(i, length), max_len=1 + (i * 5) % 17, **settings))
     return requests
+
+
+class _Buckets:
+    """What ``prefill_chunks`` reads of a runner: its buckets and context length."""
+
+    def __init__(self, pad_sizes, sequence_len):
+        self.pad_sizes, self.config = tuple(pad_sizes), dataclasses.replace(CONFIG, sequence_len=sequence_len)
+
+    bucket_for = InferenceRunner.bucket_for
+    prefill_chunks = InferenceRunner.prefill_chunks
+    _chunk_kv_len = InferenceRunner._chunk_kv_len
+
+
+@pytest.mark.parametrize("pad_sizes, sequence_len", [(PAD_SIZES, 64), (default_pad_sizes(2048), 2048),
+                                                     ((128, 512), 512)])
+def test_prompt_chunks_cover_the_prompt_and_pad_little(pad_sizes, sequence_len):
+    """Every prompt length: the chunks hold the prompt in order, only the last is padded, by at
+    most an eighth of the prompt or PAD_SLACK positions (or into the smallest bucket), and only
+    a first chunk larger than PAD_SLACK attends over its own bucket."""
+    runner = _Buckets(pad_sizes, sequence_len)
+    for n in range(1, sequence_len):
+        ids = list(range(1, n + 1))
+        chunks = runner.prefill_chunks(ids)
+        assert [t for chunk, length, _ in chunks for t in chunk[:length].tolist()] == ids
+        assert all(len(chunk) in runner.pad_sizes and not chunk[length:].any() for chunk, length, _ in chunks)
+        assert all(length == len(chunk) for chunk, length, _ in chunks[:-1]), n
+        first = len(chunks[0][0])
+        assert [kv for *_, kv in chunks] == [first if first > PAD_SLACK else sequence_len] + [sequence_len] * (
+            len(chunks) - 1)
+        last, length, _ = chunks[-1]
+        assert len(last) - length <= max(n // 8, PAD_SLACK) or len(last) == runner.pad_sizes[0], (n, chunks)
+    # 1,056 tokens with buckets of 1,024 and 2,048: a full 1,024 chunk and 32 in a 64 bucket
+    if sequence_len == 2048:
+        assert [(len(c), length) for c, length, _ in runner.prefill_chunks(list(range(1, 1057)))] == [(1024, 1024),
+                                                                                                     (64, 32)]
 
 
 def test_each_request_alone_equals_among_many(runner):
