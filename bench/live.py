@@ -9,9 +9,9 @@ timed call is ``steps`` decode steps from a state whose first L slots are busy a
 (the rest free), the runners taking turns call by call, medians over ``--rounds``. A free slot
 still runs through the attention and the dense layers of a fixed batch; what the step should not
 pay for is the MoE's experts (issue 22: the 1-live step within 15% of a 1-slot runner's).
-``--prefill P,...`` also times a prompt of P tokens padded to one bucket of ``sequence_len``
-(prefill and its first token, a 1-slot runner; medians of ``--rounds``): the bucket's padding
-should cost less than its real tokens.
+``--prefill P,...`` also times a prompt of P tokens (prefill and its first token, a 1-slot
+runner; medians of ``--rounds``), in one bucket of ``sequence_len`` (``--buckets context``: the
+bucket's padding should cost less than its real tokens) or in the default buckets and chunks.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--prefill", default="", help="prompt lengths to prefill in one bucket of sequence_len")
+    p.add_argument("--prefill", default="", help="prompt lengths to prefill")
+    p.add_argument("--buckets", choices=["context", "default"], default="context",
+                   help="--prefill in one bucket of sequence_len, or in the runner's default buckets")
     p.add_argument("--out")
     args = p.parse_args(argv)
     lives = [int(x) for x in args.live.split(",")]
@@ -83,7 +85,7 @@ def main(argv=None) -> None:
     prefill = {}
     if args.prefill:
         runner = InferenceRunner(runner=ModelRunner(model=BENCH, params=params), batch_size=1,
-                                 pad_sizes=(BENCH.sequence_len,))
+                                 pad_sizes=(BENCH.sequence_len,) if args.buckets == "context" else None)
         runner.initialize()
         rng = np.random.default_rng(0)
         for length in [int(x) for x in args.prefill.split(",")]:
@@ -95,7 +97,8 @@ def main(argv=None) -> None:
                 runner.complete(Request(ids, temperature=0.0, max_len=1))
                 took.append(time.perf_counter() - start)
             prefill[length] = statistics.median(took) * 1e3
-            print(f"prefill of {length} tokens in a {BENCH.sequence_len}-token bucket: {prefill[length]:.0f} ms")
+            where = f"a {BENCH.sequence_len}-token bucket" if args.buckets == "context" else "the default buckets"
+            print(f"prefill of {length} tokens in {where}: {prefill[length]:.0f} ms")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"cpu": cpu(), "args": vars(args), "rows": rows, "prefill_ms": prefill}, f, indent=1)
