@@ -133,18 +133,20 @@ class InferenceRunner:
         dummy = Request([1], temperature=1.0, max_len=2)
         # every (bucket, kv_len) that prefill_chunks makes: each bucket as a prompt's first chunk,
         # and as a later one if it is not the whole context
+        # (whether a chunk is a prompt's first is an argument, not part of the variant)
         variants = {(bucket, self._chunk_kv_len(bucket, True)) for bucket in self.pad_sizes}
         variants |= {(bucket, self._chunk_kv_len(bucket, False)) for bucket in self.pad_sizes
                      if bucket < self.config.sequence_len}
-        prefills = [(np.ones((bucket,), np.int32), True, kv_len) for bucket, kv_len in sorted(variants)]
-        args = [prefill_args(self.config.eos_token, 0, chunk, 1, reset, dummy) for chunk, reset, _ in prefills]
+        prefills = sorted(variants)
+        args = [prefill_args(self.config.eos_token, 0, np.ones((bucket,), np.int32), 1, True, dummy)
+                for bucket, _ in prefills]
         lowered = [self.runner.prefill_memory.variant(kv_len=kv_len).lower(self.runner.params, self.state, a)
-                   for a, (_, _, kv_len) in zip(args, prefills)]
+                   for a, (_, kv_len) in zip(args, prefills)]
         lowered += [self.runner.sample_step.variant(kv_len=kv_len, steps=self.decode_steps).lower(
             self.runner.params, self.state) for kv_len in self.kv_buckets]
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
             list(pool.map(lambda low: low.compile(), lowered))
-        for a, (_, _, kv_len) in zip(args, prefills):
+        for a, (_, kv_len) in zip(args, prefills):
             self.state, _ = self.runner.prefill_memory(self.runner.params, self.state, a, kv_len=kv_len)
         for kv_len in self.kv_buckets:
             self.state, out = self.runner.sample_step(self.runner.params, self.state, kv_len=kv_len,
@@ -238,8 +240,9 @@ class InferenceRunner:
         little: the rest of the prompt goes into the smallest bucket that holds it when that pads
         it by at most an eighth of the prompt (or by at most ``PAD_SLACK`` positions), else a full
         chunk of the largest bucket that it fills is taken first. A 1,056-token prompt with
-        buckets 16, 64, ..., 1024, 2048 is 1,024 + 32 (in a 64 bucket), not 1,056 in 2,048. The
-        first chunk attends over its own bucket, the later ones over the whole memory."""
+        buckets 16, 64, ..., 1024, 2048 is 1,024 + 32 (in a 64 bucket), not 1,056 in 2,048. A
+        first chunk of more than ``PAD_SLACK`` positions attends over its own bucket, every other
+        chunk over the whole memory."""
         sizes, chunks, start, total = self.pad_sizes, [], 0, len(ids)
         while start < total:
             rest = total - start
