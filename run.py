@@ -206,6 +206,10 @@ def serve(argv) -> int:
                    "(only /health stays public)")
     p.add_argument("--pad-sizes", help="comma-separated prompt buckets, each compiled at start (default: powers "
                    "of four from 16, and sequence_len)")
+    p.add_argument("--max-num-batched-tokens", type=bounded(int, 1, INT32_MAX, "an integer >= 1"),
+                   help="tokens a round may compute: prompt chunks (cut to buckets no larger) plus one per "
+                   "decoding request; admitting a long prompt holds running streams for one such round "
+                   "(default: the runner's, runner.runner.DEFAULT_BATCHED_TOKENS)")
     p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto", help="see run.py --help")
     p.add_argument("--compile-cache", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
@@ -248,7 +252,9 @@ def serve(argv) -> int:
         runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, model=args.config,
                                                     backend=args.backend),
                                  tokenizer_path=args.tokenizer, batch_size=args.batch_size,
-                                 local_mesh_config=tuple(mesh), pad_sizes=pad_sizes)
+                                 local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
+                                 **({} if args.max_num_batched_tokens is None
+                                    else {"max_num_batched_tokens": args.max_num_batched_tokens}))
         runner.initialize()
         if jax.process_index() != 0:  # several hosts: follow process 0's rounds until it stops
             runner.core.broadcast = True
@@ -265,7 +271,7 @@ def serve(argv) -> int:
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for line in runner.runner.backend_report().splitlines():
+    for line in runner.backend_report().splitlines():
         print(line if line.startswith("backend:") else f"  kernel {line}", file=sys.stderr)
     print(f"serving {server.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     rc = serve_forever(server, args.host, args.port, limits)  # until Ctrl-C or SIGTERM, then a drain
@@ -340,7 +346,7 @@ def generate(parser, args, start: float) -> int:
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for line in runner.runner.backend_report().splitlines():
+    for line in runner.backend_report().splitlines():
         print(line if line.startswith("backend:") else f"  kernel {line}", file=sys.stderr)
 
     single = len(requests) == 1

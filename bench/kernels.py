@@ -111,9 +111,8 @@ def main(argv=None) -> None:
                                      batch_size=batch, pad_sizes=(128,))
             runner.initialize()
             runners[name, batch] = runner
-            report = getattr(runner.runner, "backend_report", None) or getattr(runner.runner, "kernel_report", None)
-            if report is not None and name == "default":
-                print(f"default at batch {batch}:\n  " + report().replace("\n", "\n  "))
+            if name == "default":
+                print(f"default at batch {batch}:\n  " + runner.backend_report().replace("\n", "\n  "))
     for cycle in range(args.cycles):
         for batch in (1, 8):
             for name, _ in PATHS:

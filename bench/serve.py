@@ -113,9 +113,10 @@ def free_port() -> int:
     return port
 
 
-def start_server(command: list[str], port: int, log) -> subprocess.Popen:
-    """Start a server subprocess and wait until its ``/health`` answers 200 (5 minutes at most)."""
-    server = subprocess.Popen(command, cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
+def start_server(command: list[str], port: int, log, cwd: str = HERE) -> subprocess.Popen:
+    """Start a server subprocess (in ``cwd``) and wait until its ``/health`` answers 200 (5 minutes
+    at most)."""
+    server = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while True:

@@ -7,11 +7,12 @@ from runner.engine import ModelRunner
 from runner.requests import Request, TokenEvent
 from runner.runner import Completion, InferenceRunner, RunStream, default_pad_sizes, sample_from_model
 from runner.sampling import SampleOutput, SampleSettings, sample_token
-from runner.state import DecodeState, PrefillArgs
+from runner.scheduler import Scheduler
+from runner.state import DecodeState, PrefillBatch
 from runner.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = [
-    "Completion", "DecodeState", "EngineCore", "PrefillArgs", "IncrementalDetokenizer", "InferenceRunner", "ModelRunner", "Request",
-    "RunStream", "SampleOutput", "SampleSettings", "TokenEvent", "Tokenizer", "default_pad_sizes",
+    "Completion", "DecodeState", "EngineCore", "PrefillBatch", "IncrementalDetokenizer", "InferenceRunner", "ModelRunner",
+    "Request", "RunStream", "Scheduler", "SampleOutput", "SampleSettings", "TokenEvent", "Tokenizer", "default_pad_sizes",
     "sample_from_model", "sample_token",
 ]

@@ -1,8 +1,9 @@
 """``EngineCore``: the one owner of a runner's device state, and the scheduling loop over it.
 
-Each round: apply the submissions and cancellations that clients queued, admit waiting requests
-into free slots (prefill), dispatch one decode call for every active slot, then turn the previous
-calls' outputs into ``TokenEvent``s, each delivered to its own request's client. The host reads a
+Each round: apply the submissions and cancellations that clients queued, ask the ``Scheduler``
+(``runner/scheduler.py``) for the round's plan, dispatch it (one prefill call holding the prompt
+chunks of several requests, then one decode call for every decoding slot), then turn the
+previous calls' outputs into ``TokenEvent``s, each delivered to its own request's client. The host reads a
 call's tokens only after the next call was dispatched (one call of pipelining, as the reference),
 so the device never waits for the host.
 
@@ -35,14 +36,13 @@ import logging
 import queue
 import threading
 import time
-import zlib
 from typing import Callable, Optional, Protocol
 
 import jax
 import numpy as np
 
 from runner.requests import Request, TokenEvent
-from runner.state import MAX_STOP_IDS, DecodeOutput, PrefillArgs
+from runner.scheduler import RoundPlan, Scheduler, Sequence, empty_batch, finish_reason, prefill_row, request_row
 from runner.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("grok_runner")
@@ -90,51 +90,19 @@ class Inbox:
             raise
 
 
-def default_seed(request: Request) -> int:
-    """The seed of a request that names none: derived from its id, so every process of a
-    multi-host run draws the same tokens (each runs the same scheduler on the same requests)."""
-    return zlib.crc32(request.request_id.encode())
-
-
-def prefill_args(eos_token: int, slot: int, chunk: np.ndarray, length: int, reset: bool,
-                 request: Request) -> PrefillArgs:
-    """The device arguments of one prompt chunk of ``request`` (padded ``chunk``, ``length`` real
-    tokens) for ``slot``; ``reset`` on its first chunk."""
-    stop = [eos_token] + sorted(set(request.stop_token_ids) - {eos_token})
-    stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
-    stop_ids[: len(stop)] = stop
-    seed = request.rng_seed if request.rng_seed is not None else default_seed(request)
-    return PrefillArgs(slot=np.int32(slot), tokens=chunk[None].astype(np.int32), length=np.int32(length),
-                       reset=np.bool_(reset), temperature=np.float32(request.temperature),
-                       nucleus_p=np.float32(request.nucleus_p), top_k=np.int32(request.top_k),
-                       seed=np.uint32(seed), max_len=np.int32(request.max_len), stop_ids=stop_ids)
-
-
-@dataclasses.dataclass(eq=False)
-class _Slot:
-    """A request occupying a batch slot."""
-
-    request: Request
-    sink: Sink
-    detokenizer: Optional[IncrementalDetokenizer]
-    position: int  # an upper bound on the slot's next cache position (the host lags the device)
-    generated: int = 0
-    finished: bool = False
-
-
 class EngineCore:
-    """Slots, the waiting queue and the decode state of one ``InferenceRunner``."""
+    """The rounds over one model's device state: ``model`` (a ``ModelRunner``: the state and the
+    jitted steps), ``scheduler`` (the requests and slots, and each round's plan), ``prepare``
+    (checks a request and returns its prompt ids) and ``tokenizer`` (None: no text)."""
 
-    def __init__(self, runner):
-        self.runner = runner  # an initialised InferenceRunner: its ModelRunner, buckets and tokenizer
+    def __init__(self, model, scheduler: Scheduler, prepare: Callable[[Request], list[int]], tokenizer=None):
+        self.model, self.scheduler, self.prepare, self.tokenizer = model, scheduler, prepare, tokenizer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, Sink] = {}  # submitted and not yet ended, by id (guarded by _ids)
         self._ids = threading.Lock()
         self._round_lock = threading.Lock()  # one thread runs rounds at a time
         self._changed = threading.Condition()  # notified after every round and command
-        self._waiting: collections.deque[tuple[Request, list[int], Sink]] = collections.deque()
-        self._slots: list[Optional[_Slot]] = [None] * runner.batch_size
-        self._pending: list[tuple[object, list[tuple[int, _Slot]]]] = []
+        self._pending: list[tuple[object, dict[int, Sequence]]] = []  # outputs not read yet, by column
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.broadcast = False  # several processes: process 0's commands go to all (see above)
@@ -144,7 +112,7 @@ class EngineCore:
     def submit(self, request: Request, sink: Sink) -> None:
         """Queue ``request``; its events go to ``sink``. A bad request (or an id already live)
         raises ``ValueError`` here, and nothing else changes."""
-        ids = self.runner.prepare(request)
+        ids = self.prepare(request)
         with self._ids:
             if request.request_id in self._live:
                 raise ValueError(f"Request.request_id {request.request_id!r} is already in use by a live request")
@@ -168,13 +136,13 @@ class EngineCore:
 
     def capacity(self) -> int:
         """Free slots less waiting requests: how many more could start at the next round."""
-        return self._slots.count(None) - len(self._waiting) - self._commands.qsize()
+        return self.scheduler.free_slots() - len(self.scheduler.waiting) - self._commands.qsize()
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting) requests now: in slots, and submitted but not yet in one."""
         with self._ids:
             live = len(self._live)
-        running = sum(s is not None for s in self._slots)
+        running = len(self.scheduler.running())
         return running, max(0, live - running)
 
     def idle(self) -> bool:
@@ -246,22 +214,62 @@ class EngineCore:
     def _round(self) -> None:
         self._apply_commands()
         ready, self._pending = self._pending, []
-        r = self.runner
         try:
-            self._admit()
-            active = [(i, s) for i, s in enumerate(self._slots) if s is not None and not s.finished]
-            if active:
-                steps = r.decode_steps
-                kv_len = r.kv_bucket_for(max(s.position for _, s in active) + steps)
-                r.state, out = r.runner.sample_step(r.runner.params, r.state, kv_len=kv_len, steps=steps)
-                for _, s in active:
-                    s.position += steps
-                self._pending.append((out, active))
-            ready = jax.device_get(ready)  # one host sync a round, after the next call is dispatched
+            plan = self.scheduler.schedule()
+            if plan.prefill:
+                self._dispatch_prefill(plan)
+            if plan.decode:
+                out = self.model.run_decode(plan.decode_kv_len, self.scheduler.decode_steps)
+                self._pending.append((out, {s.slot: s for s in plan.decode}))
+            ready = jax.device_get(ready)  # one host sync a round, after the next calls are dispatched
         except Exception as e:  # a device call failed: its outputs, and the state, are lost
             self._fail_all(f"{type(e).__name__}: {e}")
             return
         self._read(ready)
+
+    def _dispatch_prefill(self, plan: RoundPlan) -> None:
+        """The plan's prefill call, then its forks. A request whose row cannot be made (its
+        detokenizer, a host-side bug) ends alone, its row left as padding."""
+        batch = empty_batch(plan.rows, plan.bucket, self.scheduler.batch_size)
+        columns = {}
+        for i, row in enumerate(plan.prefill):
+            try:
+                self._starting(row.sequence, row.start == 0, lambda: prefill_row(batch, i, row, self.scheduler.eos_token))
+            except Exception as e:
+                batch.slots[i] = self.scheduler.batch_size
+                batch.lengths[i] = 0
+                batch.last[i] = batch.reset[i] = False
+                self._free(row.sequence, release=False)
+                self._error(row.sequence.request, row.sequence.sink, 0, e)
+                continue
+            columns[i] = row.sequence
+        out, logits = self.model.run_prefill(batch, plan.prefill_kv_len)
+        self._pending.append((out, columns))  # a request's first token is its row's sample
+        for fork in plan.forks:
+            sequence, leader = fork.sequence, plan.prefill[fork.row].sequence
+            if leader.finished:  # the leader's row was not computed: the copy prefills itself
+                self.scheduler.unfork(sequence)
+                continue
+            one = empty_batch(1, 1, self.scheduler.batch_size)
+            one.reset[0] = one.last[0] = True
+            try:
+                self._starting(sequence, True, lambda: request_row(one, 0, sequence, self.scheduler.eos_token))
+            except Exception as e:
+                self._free(sequence, release=False)
+                self._error(sequence.request, sequence.sink, 0, e)
+                continue
+            self._pending.append((self.model.run_fork(logits, fork.row, leader.slot, one), {0: sequence}))
+
+    def _starting(self, sequence: Sequence, first: bool, make_row: Callable[[], None]) -> None:
+        """Before ``sequence``'s row is dispatched: on its first chunk its detokenizer, and its
+        sink told that it left the queue."""
+        if first:
+            sequence.detokenizer = (IncrementalDetokenizer(self.tokenizer, sequence.ids)
+                                    if self.tokenizer is not None else None)
+        make_row()
+        admitted = getattr(sequence.sink, "admitted", None)  # a sink may time its request's wait
+        if first and admitted is not None:
+            admitted()
 
     def _apply_commands(self) -> None:
         commands = []
@@ -274,7 +282,7 @@ class EngineCore:
             commands = self._broadcast(commands)
         for command in commands:
             if command[0] == "submit":
-                self._waiting.append(command[1:])
+                self.scheduler.add(*command[1:])
             elif command[0] == "cancel":
                 self._cancel(command[1])
             else:  # "stop": process 0 is done
@@ -308,83 +316,42 @@ class EngineCore:
         return out
 
     def _cancel(self, request_id: str) -> None:
-        for i, (request, _, sink) in enumerate(self._waiting):
-            if request.request_id == request_id:
-                del self._waiting[i]
-                self._end(sink, TokenEvent(request, 0, None, "", 0.0, (), "cancelled"))
-                return
-        for index, slot in enumerate(self._slots):
-            if slot is not None and slot.request.request_id == request_id and not slot.finished:
-                self._free(index, slot)
-                self._end(slot.sink, TokenEvent(slot.request, slot.generated, None, self._flush(slot), 0.0, (),
-                                                "cancelled"))
-                return
-
-    def _admit(self) -> None:
-        while self._waiting and None in self._slots:
-            request, ids, sink = self._waiting.popleft()
-            index = self._slots.index(None)
-            dispatched = False
-            try:
-                detokenizer = (IncrementalDetokenizer(self.runner.tokenizer, ids)
-                               if self.runner.tokenizer is not None else None)
-                eos = self.runner.config.eos_token
-                calls = [(prefill_args(eos, index, chunk, length, n == 0, request), kv_len)
-                         for n, (chunk, length, kv_len) in enumerate(self.runner.prefill_chunks(ids))]
-                out = None
-                for args, kv_len in calls:
-                    dispatched = True
-                    self.runner.state, out = self.runner.runner.prefill_memory(
-                        self.runner.runner.params, self.runner.state, args, kv_len=kv_len)
-            except Exception as e:
-                if dispatched:  # a device call failed: not this request's fault alone
-                    raise
-                self._error(request, sink, 0, e)
-                continue
-            slot = _Slot(request, sink, detokenizer, position=len(ids))
-            self._slots[index] = slot
-            admitted = getattr(sink, "admitted", None)  # a sink may time its request's wait for a slot
-            if admitted is not None:
-                admitted()
-            self._pending.append((out, [(0, slot)]))  # the first token is row 0 of the prefill output
+        sequence = self.scheduler.find(request_id)
+        if sequence is None:
+            return
+        self._free(sequence, release=sequence.slot is not None)
+        self._end(sequence.sink, TokenEvent(sequence.request, sequence.generated, None, self._flush(sequence),
+                                            0.0, (), "cancelled"))
 
     def _read(self, ready) -> None:
         """Turn device outputs into events. Every row is read, whatever one request's emit does."""
-        for out, rows in ready:
-            if isinstance(out, DecodeOutput):
-                sample, valid = out.sample, out.valid
-            else:  # a prefill's first token: one step, row 0
-                sample = jax.tree_util.tree_map(lambda a: a[None], out)
-                valid = np.ones((1, len(rows)), bool)
-            for step in range(valid.shape[0]):
-                for row, slot in rows:
-                    if valid[step, row] and not slot.finished:
+        for out, columns in ready:
+            for step in range(out.valid.shape[0]):
+                for column, sequence in columns.items():
+                    if out.valid[step, column] and not sequence.finished:
                         try:
-                            self._emit(slot, sample, step, row)
+                            self._emit(sequence, out, step, column)
                         except Exception as e:
-                            index = self._slots.index(slot) if slot in self._slots else None
-                            if index is not None:
-                                self._free(index, slot)
-                            slot.finished = True
-                            self._error(slot.request, slot.sink, slot.generated, e)
+                            self._free(sequence)
+                            self._error(sequence.request, sequence.sink, sequence.generated, e)
 
-    def _emit(self, slot: _Slot, sample, step: int, row: int) -> None:
-        # The same rule ends the request on the device (engine.decode), so both agree.
-        token = int(sample.token_id[step, row])
-        slot.generated += 1
-        request = slot.request
-        reason = ("eos" if token == self.runner.config.eos_token else "stop" if token in request.stop_token_ids
-                  else "length" if slot.generated >= request.max_len else None)
-        text = "" if reason in ("eos", "stop") or slot.detokenizer is None else slot.detokenizer.add(token)
+    def _emit(self, sequence: Sequence, out, step: int, column: int) -> None:
+        sample, request = out.sample, sequence.request
+        token = int(sample.token_id[step, column])
+        sequence.generated += 1
+        # the device applied the stop rule (runner.state.ends); here it is only named
+        reason = finish_reason(token, request, self.scheduler.eos_token) if out.ended[step, column] else None
+        text = "" if reason in ("eos", "stop") or sequence.detokenizer is None else sequence.detokenizer.add(token)
         if reason is not None:
-            text += self._flush(slot)
-        top = tuple(zip(sample.top_k_token_ids[step, row].tolist(), sample.top_k_probs[step, row].tolist()))
-        event = TokenEvent(request, slot.generated - 1, token, text, float(sample.logprob[step, row]), top, reason)
+            text += self._flush(sequence)
+        top = tuple(zip(sample.top_k_token_ids[step, column].tolist(), sample.top_k_probs[step, column].tolist()))
+        event = TokenEvent(request, sequence.generated - 1, token, text, float(sample.logprob[step, column]), top,
+                           reason)
         if reason is not None:
-            self._free(self._slots.index(slot), slot, release=False)  # the device stopped it itself
-            self._end(slot.sink, event)
+            self._free(sequence, release=False)  # the device stopped it itself
+            self._end(sequence.sink, event)
         else:
-            slot.sink.put(event)
+            sequence.sink.put(event)
 
     def _error(self, request: Request, sink: Sink, index: int, error: Exception) -> None:
         message = f"{type(error).__name__}: {error}"
@@ -393,14 +360,12 @@ class EngineCore:
 
     def _fail_all(self, message: str) -> None:
         log.error("a device call failed; ending every request it served: %s", message)
-        for index, slot in enumerate(self._slots):
-            if slot is not None and not slot.finished:
-                slot.finished = True
-                self._slots[index] = None
-                self._end(slot.sink, TokenEvent(slot.request, slot.generated, None, "", 0.0, (), "error",
+        for sequence in self.scheduler.running():
+            self.scheduler.finish(sequence)
+            self._end(sequence.sink, TokenEvent(sequence.request, sequence.generated, None, "", 0.0, (), "error",
                                                 error=message))
         self._pending = []
-        self.runner.state = self.runner.runner.new_state()
+        self.model.reset_state()
 
     def _end(self, sink: Sink, event: TokenEvent) -> None:
         """Deliver a request's last event; its id is free for a new request from then on."""
@@ -408,13 +373,13 @@ class EngineCore:
             self._live.pop(event.request_id, None)
         sink.put(event)
 
-    def _free(self, index: int, slot: _Slot, release: bool = True) -> None:
-        slot.finished = True
-        self._slots[index] = None
-        if release:
-            r = self.runner
-            r.state = r.runner.release_slot(r.state, np.int32(index))
+    def _free(self, sequence: Sequence, release: bool = True) -> None:
+        """End ``sequence`` in the scheduler; with ``release`` its slot also stops on the device."""
+        slot = sequence.slot if sequence in self.scheduler.running() else None
+        self.scheduler.finish(sequence)
+        if release and slot is not None:
+            self.model.release(slot)
 
     @staticmethod
-    def _flush(slot: _Slot) -> str:
-        return slot.detokenizer.flush() if slot.detokenizer is not None else ""
+    def _flush(sequence: Sequence) -> str:
+        return sequence.detokenizer.flush() if sequence.detokenizer is not None else ""

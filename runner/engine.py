@@ -3,16 +3,19 @@
 - ``forward(params, tokens, lengths)`` -> logits for whole sequences (scoring, tests, parity).
 - ``new_memory()`` -> a zeroed ``KVMemory`` with its sharding (batch over ``data``, KV heads over
   ``model``).
-- ``prefill_memory(params, state, args, kv_len)`` -> writes one request's prompt chunk
-  (``state.PrefillArgs``: slot, padded tokens, sampling settings, ...) into its slot of the decode
-  state and samples its first token; compiled once per pad bucket.
+- ``prefill_memory(params, state, batch, kv_len)`` -> writes the prompt chunks of several
+  requests (``state.PrefillBatch``: one row per request with its slot, padded tokens and sampling
+  settings) into their slots of the decode state, and samples the first token of each request
+  whose last chunk it is; compiled once per (rows, pad bucket, KV-length bucket).
 - ``sample_step(params, state, kv_len, steps)`` -> ``steps`` decode steps of every slot in one
   call (a scan on device, each slot stopping at its EOS, stop tokens or budget), attending to
   the first ``kv_len`` cache positions only; compiled once per KV-length bucket.
 
 The step functions themselves, ``prefill`` and ``decode``, are pure and at module level; this
-class places the parameters, chooses the backend (``runner.selection``) and jits them. The decode state
-(``runner/state.py``) is one pytree donated to every call, so XLA updates it in place. All shardings are derived from
+class places the parameters, chooses the backend (``runner.selection``) and jits them. It also
+owns the decode state (``runner/state.py``): one pytree donated to every call, so XLA updates it
+in place; ``run_prefill``, ``run_decode``, ``release`` and ``reset_state`` are the only ways it
+changes. All shardings are derived from
 the rules in ``model/sharding.py``; sampled outputs are replicated so every host can read them.
 """
 
@@ -35,7 +38,7 @@ from model.sharding import (DEFAULT_RULES, activation_sharding, make_mesh, memor
 from model.transformer import LanguageModel
 from runner.sampling import SampleOutput, SampleSettings, sample_token
 from runner.selection import BACKENDS, Selection, choose, start
-from runner.state import MAX_STOP_IDS, DecodeOutput, DecodeState, PrefillArgs
+from runner.state import MAX_STOP_IDS, DecodeOutput, DecodeState, PrefillBatch, ends
 
 log = logging.getLogger("grok_runner")
 
@@ -156,22 +159,53 @@ class ModelRunner:
         def _new_memory():
             return new_memory(config, b)
 
-        scalars = jax.tree_util.tree_map(lambda _: replicated, PrefillArgs(*range(10)))
-        decode_sh = DecodeOutput(out_sh, replicated)
+        rows = jax.tree_util.tree_map(lambda _: replicated, PrefillBatch(*range(11)))
+        step_out_sh = DecodeOutput(out_sh, replicated, replicated)
         self.forward = jax.jit(forward, in_shardings=(params_sh, None, None))
         self.new_memory = jax.jit(_new_memory, out_shardings=state_sh.memory)
         # One jitted function per static setting (KV length, or KV length x steps), each with
-        # explicit shardings; made on first use, which warm-up does for every bucket.
+        # explicit shardings (a prefill's is also compiled per shape of its batch); made on first
+        # use, which warm-up does for every variant the scheduler can ask for.
         self.prefill_memory = _PerStatic(lambda kv_len: jax.jit(
             functools.partial(prefill, apply, sampler, kv_len=kv_len),
-            in_shardings=(params_sh, state_sh, scalars),
-            out_shardings=(state_sh, out_sh), donate_argnums=1))
+            in_shardings=(params_sh, state_sh, rows),
+            out_shardings=(state_sh, step_out_sh, replicated), donate_argnums=1))
         self.sample_step = _PerStatic(lambda kv_len, steps: jax.jit(
             functools.partial(decode, apply, sampler, kv_len=kv_len, steps=steps),
-            in_shardings=(params_sh, state_sh), out_shardings=(state_sh, decode_sh), donate_argnums=1))
+            in_shardings=(params_sh, state_sh), out_shardings=(state_sh, step_out_sh), donate_argnums=1))
+        self.fork_slot = jax.jit(functools.partial(fork, sampler),
+                                 in_shardings=(state_sh, replicated, replicated, replicated, rows),
+                                 out_shardings=(state_sh, step_out_sh), donate_argnums=0)
         self.release_slot = jax.jit(DecodeState.release, in_shardings=(state_sh, replicated),
                                     out_shardings=state_sh, donate_argnums=0)
         self._state_shardings = state_sh
+        self.state = self.new_state()
+
+    # ---- the decode state, and the calls that change it ----------------------------------------
+    def run_prefill(self, batch: PrefillBatch, kv_len: int) -> tuple[DecodeOutput, jax.Array]:
+        """Dispatch one prefill call on the state (``prefill``); its outputs (the sampled tokens,
+        and each row's last logits, left on the device for ``run_fork``) are not waited for."""
+        self.state, out, logits = self.prefill_memory(self.params, self.state, batch, kv_len=kv_len)
+        return out, logits
+
+    def run_fork(self, logits, row: int, source: int, batch: PrefillBatch) -> DecodeOutput:
+        """Dispatch a copy of slot ``source`` into the one-row ``batch``'s slot, its first token
+        sampled from row ``row`` of ``logits`` (``fork``); not waited for."""
+        self.state, out = self.fork_slot(self.state, logits, np.int32(row), np.int32(source), batch)
+        return out
+
+    def run_decode(self, kv_len: int, steps: int) -> DecodeOutput:
+        """Dispatch ``steps`` decode steps of every slot (``decode``); not waited for."""
+        self.state, out = self.sample_step(self.params, self.state, kv_len=kv_len, steps=steps)
+        return out
+
+    def release(self, slot: int) -> None:
+        """Stop ``slot`` generating at once (its request was cancelled or failed)."""
+        self.state = self.release_slot(self.state, np.int32(slot))
+
+    def reset_state(self) -> None:
+        """A fresh state, every slot free (after a device call failed and took the state with it)."""
+        self.state = self.new_state()
 
     def new_state(self) -> DecodeState:
         """A fresh decode state: zeroed memory, every slot free."""
@@ -190,40 +224,84 @@ class ModelRunner:
         )
 
 
-def prefill(apply, sampler, params, state: DecodeState, args: PrefillArgs, kv_len: int):
-    """One prompt chunk of one request into its slot of ``state``, and its first token sampled.
+def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_len: int):
+    """The prompt chunks of ``batch`` (``P`` rows, one request each, in distinct slots) into their
+    slots of ``state``, and the first token of each request whose last chunk it is sampled; the
+    rows attend to (and are copied in and out over) the first ``kv_len`` cache positions only.
     ``apply(variables, tokens, memory, lengths, last_only, kv_len)`` is the model; ``sampler`` the
     backend that ``sample_token`` cuts and summarises on. Pure: jitted with ``state`` donated."""
-    row = state.memory.row(args.slot)
-    row = row.replace(step=jnp.where(args.reset, 0, row.step))
-    out = apply({"params": params}, args.tokens, row, args.length[None], True, kv_len)
+    memory, b = state.memory, state.tokens.shape[0]
+    slots = batch.slots  # b for a padding row: read as zeros, written nowhere
+
+    def rows(full):
+        return jnp.take(full[:, :, :kv_len], slots, axis=0, mode="fill", fill_value=0)
+
+    step = jnp.take(memory.step, slots, mode="fill", fill_value=0)
+    sub = KVMemory(k=tuple(map(rows, memory.k)), v=tuple(map(rows, memory.v)),
+                   step=jnp.where(batch.reset, 0, step))
+    out = apply({"params": params}, batch.tokens, sub, batch.lengths, True, kv_len)
+
+    def put(full, new):
+        return full.at[slots, :, :kv_len].set(new.astype(full.dtype), mode="drop")
+
+    memory = KVMemory(k=tuple(map(put, memory.k, out.memory.k)), v=tuple(map(put, memory.v, out.memory.v)),
+                      step=memory.step.at[slots].set(out.memory.step, mode="drop"))
     # The key is derived from the seed alone, so chunking never changes a request's samples.
-    key, sample_key = jax.random.split(jax.random.PRNGKey(args.seed))
-    settings = SampleSettings(temperature=args.temperature[None], nucleus_p=args.nucleus_p[None],
-                              top_k=args.top_k[None])
-    first = sample_token(out.logits[:, -1], settings, sample_key[None], sampler)
-    return state.insert(args, state.memory.with_row(args.slot, out.memory), first, key), first
+    split = jax.vmap(lambda seed: jax.random.split(jax.random.PRNGKey(seed)))(batch.seed)  # [P, 2, 2]
+    keys, sample_keys = split[:, 0], split[:, 1]
+    settings = SampleSettings(temperature=batch.temperature, nucleus_p=batch.nucleus_p, top_k=batch.top_k)
+    logits = out.logits[:, -1]
+    # Only a request's last chunk samples: a call of middle chunks never draws or summarises.
+    # (The logits are also returned: a request with the same prompt forks from them, ``fork``.)
+    draw = functools.partial(sample_token, logits, settings, sample_keys, sampler)
+    nothing = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(draw))
+    first = jax.lax.cond(jnp.any(batch.last), draw, lambda: nothing)
+    state = state.replace(memory=memory).start(batch, first, keys)
+    ended = batch.last & ends(first.token_id, batch.stop_ids, batch.max_len - 1)
+    sample = jax.tree_util.tree_map(lambda a: a[None], first)
+    # padded to the batch size: one compiled fork serves prefill calls of any row count
+    logits_BV = jnp.zeros((b, logits.shape[-1]), logits.dtype).at[: logits.shape[0]].set(logits)
+    return state, DecodeOutput(sample, batch.last[None], ended[None]), logits_BV
+
+
+def fork(sampler, state: DecodeState, logits_BV, row, source, batch: PrefillBatch):
+    """Slot ``source``'s cache copied into the slot of the one-row ``batch`` (a request with the
+    same prompt), and that request started with its first token sampled from ``logits_BV[row]``
+    (the last logits of the prefill that wrote ``source``) under its own settings and seed: what
+    its own prefill would have computed, bit for bit. Pure: jitted with ``state`` donated."""
+    memory, dst = state.memory, batch.slots[0]
+
+    def copy(full):
+        return full.at[dst].set(full[source])
+
+    memory = KVMemory(k=tuple(map(copy, memory.k)), v=tuple(map(copy, memory.v)), step=copy(memory.step))
+    split = jax.random.split(jax.random.PRNGKey(batch.seed[0]))
+    settings = SampleSettings(temperature=batch.temperature, nucleus_p=batch.nucleus_p, top_k=batch.top_k)
+    first = sample_token(logits_BV[row][None], settings, split[1][None], sampler)
+    state = state.replace(memory=memory).start(batch, first, split[0][None])
+    ended = batch.last & ends(first.token_id, batch.stop_ids, batch.max_len - 1)
+    return state, DecodeOutput(jax.tree_util.tree_map(lambda a: a[None], first), batch.last[None], ended[None])
 
 
 def decode(apply, sampler, params, state: DecodeState, kv_len: int, steps: int):
     """``steps`` decode steps of every slot (a scan on device), attending to the first ``kv_len``
-    cache positions; each slot stops at its EOS, stop tokens or budget. Pure, like ``prefill``."""
+    cache positions; each slot stops where ``ends`` says. Pure, like ``prefill``."""
     def one(state, _):
         split = jax.vmap(jax.random.split)(state.keys)  # [B, 2, 2]
         keys, sample_keys = split[:, 0], split[:, 1]
         valid = state.active
-        lengths = valid.astype(jnp.int32)  # free and finished slots do not advance
+        lengths = valid.astype(jnp.int32)  # free, finished and prefilling slots do not advance
         out = apply({"params": params}, state.tokens[:, None], state.memory, lengths, False, kv_len)
         sample = sample_token(out.logits[:, 0], state.settings, sample_keys, sampler)
         tokens = jnp.where(valid, sample.token_id, state.tokens)
         remaining = state.remaining - lengths
-        stopped = jnp.any(tokens[:, None] == state.stop_ids, axis=1)
+        ended = valid & ends(tokens, state.stop_ids, remaining)
         state = state.replace(memory=out.memory, tokens=tokens, keys=keys, remaining=remaining,
-                              active=valid & ~stopped & (remaining > 0))
-        return state, (sample, valid)
+                              active=valid & ~ended)
+        return state, (sample, valid, ended)
 
-    state, (samples, valid) = jax.lax.scan(one, state, None, length=steps)
-    return state, DecodeOutput(samples, valid)
+    state, (samples, valid, ended) = jax.lax.scan(one, state, None, length=steps)
+    return state, DecodeOutput(samples, valid, ended)
 
 
 class _PerStatic:

@@ -24,19 +24,17 @@ import jax
 import numpy as np
 
 from model.sharding import make_mesh
-from runner.core import EngineCore, Inbox, prefill_args
+from runner.core import EngineCore, Inbox
 from runner.engine import ModelRunner
-from runner.state import MAX_STOP_IDS
 from runner.requests import Request, TokenEvent
+from runner.scheduler import Scheduler, chunk_lengths, empty_batch, smallest_at_least
+from runner.state import MAX_STOP_IDS
 from runner.tokenizer import Tokenizer
 
-
-# Padding a prompt's last chunk by this many positions costs less than one more device call (at
-# small chunk sizes a prefill call's time goes to reading the weights, not to its positions). For
-# the same reason a chunk of a bucket this small attends over the whole context even when it is a
-# prompt's first: the longer attention costs nothing measurable, and one compiled variant serves
-# first and later chunks.
-PAD_SLACK = 64
+# Tokens a round may compute (prompt chunks + one per decoding slot) unless the runner is told
+# otherwise: large enough that a chunk's time goes to its tokens, not to reading the weights;
+# small enough that admitting a long prompt holds the running streams for one such chunk only.
+DEFAULT_BATCHED_TOKENS = 512
 
 
 def default_pad_sizes(sequence_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -47,11 +45,6 @@ def default_pad_sizes(sequence_len: int, smallest: int = 16) -> tuple[int, ...]:
         sizes.append(size)
         size *= 4
     return tuple(sizes) + (sequence_len,)
-
-
-def _smallest_at_least(sizes: tuple[int, ...], n: int) -> int:
-    """The smallest of the sorted ``sizes`` that is >= ``n``, else the largest."""
-    return next((size for size in sizes if size >= n), sizes[-1])
 
 
 def default_kv_buckets(sequence_len: int) -> tuple[int, ...]:
@@ -90,6 +83,9 @@ class InferenceRunner:
     # Decode steps per device call: more amortises host dispatch, fewer streams tokens sooner
     # and lets a waiting request into a freed slot sooner.
     decode_steps: int = 4
+    # The token budget of a round (vLLM's max_num_batched_tokens): prompt chunks are cut to
+    # buckets no larger, and a round's prefill call holds at most this many positions.
+    max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS
 
     def initialize(self, warmup: bool = True) -> None:
         mesh = self.mesh or self.runner.mesh
@@ -109,8 +105,12 @@ class InferenceRunner:
         if self.tokenizer is not None and self.tokenizer.vocab_size != self.config.vocab_size:
             raise ValueError(f"tokenizer {path} has {self.tokenizer.vocab_size} pieces but the model's "
                              f"vocab_size is {self.config.vocab_size}")
-        self.state = self.runner.new_state()
-        self.core = EngineCore(self)
+        budget = self.max_num_batched_tokens
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+            raise ValueError(f"max_num_batched_tokens must be a positive integer, got {budget!r}")
+        self.scheduler = Scheduler(self.batch_size, self.pad_sizes, self.kv_buckets, self.config.sequence_len,
+                                   budget, self.decode_steps, self.config.eos_token)
+        self.core = EngineCore(self.runner, self.scheduler, self.prepare, self.tokenizer)
         if warmup:
             self._warmup()
 
@@ -130,29 +130,43 @@ class InferenceRunner:
         Each variant is traced here, then all are compiled side by side on the host's cores
         (XLA compiles without the GIL); the calls that follow find them compiled.
         """
-        dummy = Request([1], temperature=1.0, max_len=2)
-        # every (bucket, kv_len) that prefill_chunks makes: each bucket as a prompt's first chunk,
-        # and as a later one if it is not the whole context
-        # (whether a chunk is a prompt's first is an argument, not part of the variant)
-        variants = {(bucket, self._chunk_kv_len(bucket, True)) for bucket in self.pad_sizes}
-        variants |= {(bucket, self._chunk_kv_len(bucket, False)) for bucket in self.pad_sizes
-                     if bucket < self.config.sequence_len}
-        prefills = sorted(variants)
-        args = [prefill_args(self.config.eos_token, 0, np.ones((bucket,), np.int32), 1, True, dummy)
-                for bucket, _ in prefills]
-        lowered = [self.runner.prefill_memory.variant(kv_len=kv_len).lower(self.runner.params, self.state, a)
-                   for a, (_, kv_len) in zip(args, prefills)]
-        lowered += [self.runner.sample_step.variant(kv_len=kv_len, steps=self.decode_steps).lower(
-            self.runner.params, self.state) for kv_len in self.kv_buckets]
+        model, b = self.runner, self.batch_size
+        prefills = sorted(self.scheduler.prefill_shapes())
+        batches = [empty_batch(p, t, b) for p, t, _ in prefills]
+        lowered = [model.prefill_memory.variant(kv_len=kv).lower(model.params, model.state, batch)
+                   for batch, (_, _, kv) in zip(batches, prefills)]
+        lowered += [model.sample_step.variant(kv_len=kv_len, steps=self.decode_steps).lower(
+            model.params, model.state) for kv_len in self.kv_buckets]
+        # a fork (in warm-up: slot 0 copied onto itself, nothing started), its logits placed like
+        # a prefill's output (a host array would be another variant)
+        one, logits = empty_batch(1, 1, b), np.zeros((b, self.config.vocab_size), np.float32)
+        one.slots[0] = 0
+        logits = jax.device_put(logits, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+        lowered.append(model.fork_slot.lower(model.state, logits, np.int32(0), np.int32(0), one))
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
             list(pool.map(lambda low: low.compile(), lowered))
-        for a, (_, kv_len) in zip(args, prefills):
-            self.state, _ = self.runner.prefill_memory(self.runner.params, self.state, a, kv_len=kv_len)
-        for kv_len in self.kv_buckets:
-            self.state, out = self.runner.sample_step(self.runner.params, self.state, kv_len=kv_len,
-                                                      steps=self.decode_steps)
-        self.state = self.runner.release_slot(self.state, np.int32(0))
-        jax.block_until_ready((self.state, out))
+        # each variant run once (padding rows and free slots only: nothing changes)
+        outs = [model.run_prefill(batch, kv) for batch, (_, _, kv) in zip(batches, prefills)]
+        outs.append(model.run_fork(logits, 0, 0, one))
+        outs += [model.run_decode(kv_len, self.decode_steps) for kv_len in self.kv_buckets]
+        jax.block_until_ready((model.state, outs))
+
+    @property
+    def state(self):
+        """The decode state (the model runner owns it; read it, never set it)."""
+        return self.runner.state
+
+    @property
+    def checkpoint_path(self) -> Optional[str]:
+        return self.runner.checkpoint_path
+
+    def backend_report(self) -> str:
+        """Which backend runs the model and why (``ModelRunner.backend_report``)."""
+        return self.runner.backend_report()
+
+    def logits(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Logits ``[B, T, V]`` of whole sequences, without a cache (scoring; ``ModelRunner.forward``)."""
+        return np.asarray(self.runner.forward(self.runner.params, tokens, lengths))
 
     # ---- requests ------------------------------------------------------------------------------
     def prepare(self, request: Request) -> list[int]:
@@ -226,36 +240,12 @@ class InferenceRunner:
         """One request to its end, beside whatever else is in flight."""
         return self.generate([request])[0]
 
-    def kv_bucket_for(self, length: int) -> int:
-        return _smallest_at_least(self.kv_buckets, length)
-
     def bucket_for(self, length: int) -> int:
-        return _smallest_at_least(self.pad_sizes, length)
+        return smallest_at_least(self.pad_sizes, length)
 
-    def _chunk_kv_len(self, size: int, first: bool) -> int:
-        return size if first and size > PAD_SLACK else self.config.sequence_len
-
-    def prefill_chunks(self, ids: list[int]) -> list[tuple[np.ndarray, int, int]]:
-        """The prompt as (padded chunk, real length, kv_len) triples, so that padding wastes
-        little: the rest of the prompt goes into the smallest bucket that holds it when that pads
-        it by at most an eighth of the prompt (or by at most ``PAD_SLACK`` positions), else a full
-        chunk of the largest bucket that it fills is taken first. A 1,056-token prompt with
-        buckets 16, 64, ..., 1024, 2048 is 1,024 + 32 (in a 64 bucket), not 1,056 in 2,048. A
-        first chunk of more than ``PAD_SLACK`` positions attends over its own bucket, every other
-        chunk over the whole memory."""
-        sizes, chunks, start, total = self.pad_sizes, [], 0, len(ids)
-        while start < total:
-            rest = total - start
-            fit = self.bucket_for(rest)
-            if fit >= rest and (fit - rest <= max(total // 8, PAD_SLACK) or fit == sizes[0]):
-                size, take = fit, rest
-            else:  # the largest bucket the rest fills (one exists: the rest exceeds the smallest)
-                size = take = max(s for s in sizes if s <= rest)
-            padded = np.zeros((size,), np.int32)
-            padded[:take] = ids[start:start + take]
-            chunks.append((padded, take, self._chunk_kv_len(size, start == 0)))
-            start += take
-        return chunks
+    def prefill_chunks(self, ids: list[int]) -> list[int]:
+        """The chunk lengths the scheduler cuts ``ids`` into (``runner.scheduler.chunk_lengths``)."""
+        return chunk_lengths(len(ids), self.scheduler.chunk_sizes)
 
 
 class RunStream:

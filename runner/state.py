@@ -1,11 +1,12 @@
-"""The decode state: everything a step reads and writes, one row per batch slot, and the pytree
-of one request's prefill arguments.
+"""The decode state: everything a step reads and writes, one row per batch slot; the pytree of a
+prefill call's chunks; and the stop rule.
 
-``DecodeState`` is donated to every call, so XLA updates it in place. ``insert`` and ``release``
+``DecodeState`` is donated to every call, so XLA updates it in place. ``start`` and ``release``
 are the only ways a slot's row changes outside a decode step. Its invariants:
-- a free slot is a row whose ``active`` flag is False: it still runs through a step (the batch is
-  fixed) but its ``step`` does not advance and its outputs are ignored;
-- ``insert`` starts a row afresh (after its prompt was written to ``memory``): settings, key,
+- a free slot, or one whose prompt is still being prefilled, is a row whose ``active`` flag is
+  False: it still runs through a decode step (the batch is fixed) but its ``step`` does not
+  advance, it reaches no expert and its outputs are ignored;
+- ``start`` starts a row afresh (after its prompt was written to ``memory``): settings, key,
   stop ids, budget and first token are the new request's, whatever the row held before;
 - stale K/V beyond a row's ``step`` are never attended to (``model/memory.py``).
 """
@@ -23,20 +24,30 @@ MAX_STOP_IDS = 8  # EOS plus up to 7 stop tokens per request
 
 
 @flax.struct.dataclass
-class PrefillArgs:
-    """One prompt chunk of one request: the scalars of a prefill call, as one pytree (so its
-    sharding is a pytree too). ``tokens [1, T]`` is the chunk padded to its bucket."""
+class PrefillBatch:
+    """Prompt chunks of up to ``P`` requests, one row each, computed in one call: the arrays of a
+    prefill call, as one pytree (so its sharding is a pytree too). ``tokens [P, T]`` are the
+    chunks, each padded to the call's bucket ``T``. A row whose slot is the batch size is padding:
+    nothing is read for it and nothing it computes is written."""
 
-    slot: jax.Array  # int32: the batch row it goes to
-    tokens: jax.Array  # [1, T] int32
-    length: jax.Array  # int32: real tokens in the chunk
-    reset: jax.Array  # bool: the request's first chunk (the row starts at step 0)
-    temperature: jax.Array  # float32
-    nucleus_p: jax.Array  # float32
-    top_k: jax.Array  # int32
-    seed: jax.Array  # uint32
-    max_len: jax.Array  # int32
-    stop_ids: jax.Array  # [MAX_STOP_IDS] int32 (-1 = unused; EOS first)
+    slots: jax.Array  # [P] int32: the batch row each chunk goes to (batch size = padding)
+    tokens: jax.Array  # [P, T] int32
+    lengths: jax.Array  # [P] int32: real tokens in each chunk
+    reset: jax.Array  # [P] bool: the request's first chunk (its row starts at step 0)
+    last: jax.Array  # [P] bool: the request's last chunk (its first token is sampled; it starts decoding)
+    temperature: jax.Array  # [P] float32
+    nucleus_p: jax.Array  # [P] float32
+    top_k: jax.Array  # [P] int32
+    seed: jax.Array  # [P] uint32
+    max_len: jax.Array  # [P] int32
+    stop_ids: jax.Array  # [P, MAX_STOP_IDS] int32 (-1 = unused; EOS first)
+
+
+def ends(token_B, stop_ids_BS, remaining_B):
+    """The stop rule, the one place it is stated: a request ends with a token among its stop ids
+    (EOS is always one), or when it may generate no more tokens. Every step applies it on the
+    device; the host only names the reason (``runner.scheduler.finish_reason``)."""
+    return jnp.any(token_B[:, None] == stop_ids_BS, axis=1) | (remaining_B <= 0)
 
 
 @flax.struct.dataclass
@@ -49,21 +60,23 @@ class DecodeState:
     remaining: jax.Array  # [B] int32: tokens the slot may still generate
     stop_ids: jax.Array  # [B, MAX_STOP_IDS] int32: ids that end the slot's request (-1 = unused)
 
-    def insert(self, args: PrefillArgs, memory: KVMemory, first: SampleOutput, key) -> "DecodeState":
-        """The state with request ``args`` in its slot: ``memory`` holding its prompt, ``first`` its
-        first sampled token (which may already end it), ``key`` its PRNG key from now on."""
-        slot, s = args.slot, self.settings
-        token = first.token_id[0]
-        return DecodeState(
-            memory=memory,
-            tokens=self.tokens.at[slot].set(token),
-            settings=SampleSettings(temperature=s.temperature.at[slot].set(args.temperature),
-                                    nucleus_p=s.nucleus_p.at[slot].set(args.nucleus_p),
-                                    top_k=s.top_k.at[slot].set(args.top_k)),
-            keys=self.keys.at[slot].set(key),
-            active=self.active.at[slot].set((args.max_len > 1) & ~jnp.any(token == args.stop_ids)),
-            remaining=self.remaining.at[slot].set(args.max_len - 1),
-            stop_ids=self.stop_ids.at[slot].set(args.stop_ids),
+    def start(self, batch: PrefillBatch, first: SampleOutput, keys) -> "DecodeState":
+        """The state with the requests of ``batch``'s last-chunk rows in their slots (their
+        prompts already written to ``memory``): settings, stop ids, budget and first token
+        (``first``, which may already end a request) are the new request's, whatever the row held
+        before; ``keys [P, 2]`` are their PRNG keys from now on. Other rows change nothing."""
+        b = self.tokens.shape[0]
+        at = jnp.where(batch.last, batch.slots, b)  # rows that start decoding; the others drop out
+        put = lambda full, new: full.at[at].set(new.astype(full.dtype), mode="drop")  # noqa: E731
+        s, token, remaining = self.settings, first.token_id, batch.max_len - 1
+        return self.replace(
+            tokens=put(self.tokens, token),
+            settings=SampleSettings(temperature=put(s.temperature, batch.temperature),
+                                    nucleus_p=put(s.nucleus_p, batch.nucleus_p), top_k=put(s.top_k, batch.top_k)),
+            keys=put(self.keys, keys),
+            active=put(self.active, ~ends(token, batch.stop_ids, remaining)),
+            remaining=put(self.remaining, remaining),
+            stop_ids=put(self.stop_ids, batch.stop_ids),
         )
 
     def release(self, slot) -> "DecodeState":
@@ -75,7 +88,9 @@ class DecodeState:
 class DecodeOutput:
     """``steps`` decode steps of every slot: ``sample`` fields are ``[steps, B, ...]``; ``valid``
     says which slots generated a token at that step (a slot stops on device as soon as its request
-    ends, so later steps of the same call are not valid for it)."""
+    ends, so later steps of the same call are not valid for it). A prefill call's output has the
+    same form, one step of its ``P`` rows: valid where the row sampled (a last chunk)."""
 
     sample: SampleOutput
     valid: jax.Array  # [steps, B] bool
+    ended: jax.Array  # [steps, B] bool: the token ends its request (``ends``)

@@ -132,7 +132,7 @@ class Server:
                                   else max_scored_tokens)
         self.private = private_docs_and_metrics
         self.chat_template = chat_template or ChatTemplate.for_checkpoint(
-            getattr(runner.runner, "checkpoint_path", None))
+            getattr(runner, "checkpoint_path", None))
         self.metrics = Metrics(model_name)
         import jax
 
@@ -595,7 +595,7 @@ class Server:
         def score(ids):
             tokens = np.zeros((1, runner.bucket_for(len(ids))), np.int32)
             tokens[0, : len(ids)] = ids
-            logits = np.asarray(runner.runner.forward(runner.runner.params, tokens, np.array([len(ids)], np.int32)))
+            logits = runner.logits(tokens, np.array([len(ids)], np.int32))
             logits = logits[0, : len(ids) - 1].astype(np.float64)  # position i predicts token i + 1
             logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
             chosen = logp[np.arange(len(ids) - 1), ids[1:]]

@@ -10,7 +10,7 @@ import pytest
 
 from runner import Request, sample_from_model
 from runner.tokenizer import IncrementalDetokenizer
-from tests.test_runner import CONFIG, params, prompt_ids, runner  # noqa: F401 (fixtures)
+from tests.test_runner import CONFIG, greedy_reference, params, prompt_ids, runner  # noqa: F401 (fixtures)
 
 
 def solo(runner, request):
@@ -237,14 +237,14 @@ def test_a_request_failing_at_admission_ends_alone(runner, monkeypatch):
 
     requests = [mixed(i, 8) for i in range(3)]
     want = {r.request_id: solo(runner, r) for r in requests}
-    real = core.prefill_args
+    real = core.prefill_row
 
-    def failing(eos, slot, chunk, length, reset, request):
-        if request is requests[0]:
+    def failing(batch, i, row, eos):
+        if row.sequence.request is requests[0]:
             raise OverflowError("a host-side bug (test)")
-        return real(eos, slot, chunk, length, reset, request)
+        return real(batch, i, row, eos)
 
-    monkeypatch.setattr(core, "prefill_args", failing)
+    monkeypatch.setattr(core, "prefill_row", failing)
     events = {}
     for event in runner.run(requests):
         events.setdefault(event.request_id, []).append(event)
@@ -252,3 +252,100 @@ def test_a_request_failing_at_admission_ends_alone(runner, monkeypatch):
         ("error", "OverflowError: a host-side bug (test)")]
     for r in requests[1:]:
         assert tokens(events[r.request_id]) == want[r.request_id]
+
+
+# ---- rounds that mix prefill chunks and decoding (the scheduler's plans) ----------------------------
+@pytest.fixture(scope="module")
+def tight(params):  # noqa: F811
+    """A runner whose round budget (24 tokens) cuts prompts into chunks of 8 and 16 and makes every
+    round that admits a prompt also decode the running requests."""
+    from runner import InferenceRunner, ModelRunner
+
+    r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=4, pad_sizes=(8, 16, 32),
+                        max_num_batched_tokens=24)
+    r.initialize()
+    return r
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """Record the plan of every round of a runner: ``plans(runner)`` returns the live list."""
+    def record(runner):
+        seen, real = [], runner.scheduler.schedule
+
+        def schedule():
+            plan = real()
+            seen.append(plan)
+            return plan
+
+        monkeypatch.setattr(runner.scheduler, "schedule", schedule)
+        return seen
+    return record
+
+
+def long_mixed(i, n=10):
+    """Prompts of 20-55 tokens (2-4 chunks under a 24-token budget), greedy or seeded."""
+    length = 20 + (i * 13) % 36
+    if i % 2 == 0:
+        return Request(prompt_ids(500 + i, length), temperature=0.0, max_len=n)
+    return Request(prompt_ids(500 + i, length), temperature=0.8, top_k=10 * (i % 3), rng_seed=i, max_len=n)
+
+
+def test_chunked_prompts_beside_decoding_equal_their_solo_runs(tight, plans):
+    """Bursts of arrivals while others decode: several prompts per prefill call, long prompts in
+    chunks interleaved with decode rounds; every request gets the tokens it gets alone."""
+    requests = [long_mixed(i) for i in range(6)] + [mixed(i, 10) for i in range(6)]
+    want = {r.request_id: solo(tight, r) for r in requests}
+    seen = plans(tight)
+    stream = tight.run()
+    for r in requests[:3]:
+        stream.submit(r)
+    got = {}
+    for n, event in enumerate(iter(lambda: next(stream), None)):
+        got.setdefault(event.request_id, []).append(event)
+        if n == 2:  # a burst arrives while the first ones decode
+            for r in requests[3:]:
+                stream.submit(r)
+    for r in requests:
+        assert tokens(got[r.request_id]) == want[r.request_id], r
+    mixed_rounds = [p for p in seen if p.prefill and p.decode and any(s not in [r.sequence for r in p.prefill]
+                                                                       for s in p.decode)]
+    assert mixed_rounds, "no round decoded beside a prefill"
+    assert any(len(p.prefill) > 1 for p in seen), "no prefill call held several prompts"
+    assert any(r.start > 0 for p in seen for r in p.prefill), "no prompt was chunked"
+    assert all(sum(r.length for r in p.prefill) <= 24 or len(p.prefill) == 1 for p in seen)
+
+
+def test_chunked_greedy_equals_a_full_forward(tight, greedy_reference):
+    prompt = prompt_ids(77, 50)  # chunks 16 + 16 + 16 + 2
+    assert tight.prefill_chunks(prompt) == [16, 16, 16, 2]
+    assert tight.complete(Request(prompt, temperature=0.0, max_len=10)).token_ids == greedy_reference(prompt, 10)
+
+
+def test_a_request_cancelled_mid_prefill_leaves_its_slot_clean(tight, plans):
+    seen = plans(tight)
+    long = Request(prompt_ids(600, 55), temperature=0.0, max_len=5)
+    stream = tight.run()
+    stream.submit(long)
+    tight.core.wait_for(lambda: len(seen) >= 1)  # one round: its first chunk only
+    assert seen[0].prefill[0].sequence.request is long and not seen[0].prefill[0].sequence.decoding
+    assert stream.cancel(long.request_id)
+    events = list(iter(lambda: next(stream), None))
+    assert [e.finish_reason for e in events] == ["cancelled"] and events[0].token_id is None
+    after = [mixed(i, 8) for i in range(4)] + [long_mixed(1, 8)]  # one of them gets its slot
+    outs = tight.generate(after)
+    assert [c.token_ids for c in outs] == [solo(tight, r) for r in after]
+    assert tight.core.idle() and not tight.scheduler.running()
+
+
+def test_a_prompt_shared_by_several_requests_is_prefilled_once(runner, plans):
+    """``n`` > 1 (and any requests arriving together with one prompt): one prefill, the others
+    copy its KV and sample their first tokens from its logits, each with its own settings and
+    seed: the tokens each gets alone."""
+    prompt = prompt_ids(700, 20)
+    requests = [Request(prompt, temperature=0.0, max_len=6)] + [
+        Request(prompt, temperature=0.9, top_k=5 * s, rng_seed=s, max_len=6 + s) for s in range(3)]
+    want = [solo(runner, r) for r in requests]
+    seen = plans(runner)
+    assert [c.token_ids for c in runner.generate(requests)] == want
+    assert sum(len(p.prefill) for p in seen) == 1 and sum(len(p.forks) for p in seen) == 3

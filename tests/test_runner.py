@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from model import TINY, forward, init_params
-from runner import InferenceRunner, ModelRunner, PrefillArgs, Request, sample_from_model
+from runner import InferenceRunner, ModelRunner, Request, sample_from_model
 from runner.compile_count import compilations
-from runner.runner import PAD_SLACK, default_pad_sizes
+from runner.scheduler import empty_batch
 from tests.helpers import lively
 
 CONFIG = dataclasses.replace(TINY, vocab_size=320)
@@ -79,41 +79,6 @@ def mixed_requests(n):
     return requests
 
 
-class _Buckets:
-    """What ``prefill_chunks`` reads of a runner: its buckets and context length."""
-
-    def __init__(self, pad_sizes, sequence_len):
-        self.pad_sizes, self.config = tuple(pad_sizes), dataclasses.replace(CONFIG, sequence_len=sequence_len)
-
-    bucket_for = InferenceRunner.bucket_for
-    prefill_chunks = InferenceRunner.prefill_chunks
-    _chunk_kv_len = InferenceRunner._chunk_kv_len
-
-
-@pytest.mark.parametrize("pad_sizes, sequence_len", [(PAD_SIZES, 64), (default_pad_sizes(2048), 2048),
-                                                     ((128, 512), 512)])
-def test_prompt_chunks_cover_the_prompt_and_pad_little(pad_sizes, sequence_len):
-    """Every prompt length: the chunks hold the prompt in order, only the last is padded, by at
-    most an eighth of the prompt or PAD_SLACK positions (or into the smallest bucket), and only
-    a first chunk larger than PAD_SLACK attends over its own bucket."""
-    runner = _Buckets(pad_sizes, sequence_len)
-    for n in range(1, sequence_len):
-        ids = list(range(1, n + 1))
-        chunks = runner.prefill_chunks(ids)
-        assert [t for chunk, length, _ in chunks for t in chunk[:length].tolist()] == ids
-        assert all(len(chunk) in runner.pad_sizes and not chunk[length:].any() for chunk, length, _ in chunks)
-        assert all(length == len(chunk) for chunk, length, _ in chunks[:-1]), n
-        first = len(chunks[0][0])
-        assert [kv for *_, kv in chunks] == [first if first > PAD_SLACK else sequence_len] + [sequence_len] * (
-            len(chunks) - 1)
-        last, length, _ = chunks[-1]
-        assert len(last) - length <= max(n // 8, PAD_SLACK) or len(last) == runner.pad_sizes[0], (n, chunks)
-    # 1,056 tokens with buckets of 1,024 and 2,048: a full 1,024 chunk and 32 in a 64 bucket
-    if sequence_len == 2048:
-        assert [(len(c), length) for c, length, _ in runner.prefill_chunks(list(range(1, 1057)))] == [(1024, 1024),
-                                                                                                     (64, 32)]
-
-
 def test_each_request_alone_equals_among_many(runner):
     requests = mixed_requests(32)
     together = collect(runner.run(requests))
@@ -158,12 +123,12 @@ def test_eos_and_stop_tokens_end_a_request(runner, greedy_reference):
     stop = full[4]
     done = runner.generate([prompt], temperature=0.0, max_len=12, stop_token_ids=[stop])[0]
     assert done.token_ids == full[: full.index(stop) + 1] and done.finish_reason == "stop"
-    original = runner.config
+    original = runner.scheduler.eos_token
     try:
-        runner.config = dataclasses.replace(original, eos_token=full[6])
+        runner.scheduler.eos_token = full[6]  # the EOS id every request's stop ids start with
         done = runner.generate([prompt], temperature=0.0, max_len=12)[0]
     finally:
-        runner.config = original
+        runner.scheduler.eos_token = original
     assert done.token_ids == full[: full.index(full[6]) + 1] and done.finish_reason == "eos"
     assert runner.generate([prompt], temperature=0.0, max_len=3)[0].finish_reason == "length"
 
@@ -174,6 +139,7 @@ def test_no_compilation_after_warmup(runner):
     before = compilations()
     collect(runner.run(mixed_requests(50)))
     runner.generate(["the house", "a letter from her sister"], temperature=0.5, rng_seed=1, max_len=5)
+    runner.generate(["the house"] * 3, temperature=0.5, rng_seed=1, max_len=5)  # one prefill, two forks
     assert compilations() == before
 
 
@@ -266,14 +232,13 @@ def test_the_four_functions_are_usable_on_their_own(runner, params):
     logits = engine.forward(engine.params, tokens, np.array([8]))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(forward(params, tokens, CONFIG).logits), atol=1e-5)
     state = engine.new_state()
-    padded = np.zeros((1, 8), np.int32)
-    padded[0] = tokens[0]
-    stop_ids = np.full((8,), -1, np.int32)
-    args = PrefillArgs(slot=np.int32(2), tokens=padded, length=np.int32(8), reset=np.bool_(True),
-                       temperature=np.float32(0), nucleus_p=np.float32(1), top_k=np.int32(0), seed=np.uint32(0),
-                       max_len=np.int32(3), stop_ids=stop_ids)
-    state, first = engine.prefill_memory(engine.params, state, args, kv_len=8)
-    assert int(first.token_id[0]) == int(np.asarray(logits)[0, -1].argmax())
+    batch = empty_batch(2, 8, runner.batch_size)  # one request in slot 2, and a padding row
+    batch.slots[0], batch.tokens[0], batch.lengths[0] = 2, tokens[0], 8
+    batch.reset[0] = batch.last[0] = True
+    batch.temperature[0], batch.max_len[0], batch.stop_ids[0, 0] = 0, 3, CONFIG.eos_token
+    state, first, _ = engine.prefill_memory(engine.params, state, batch, kv_len=64)
+    assert int(first.sample.token_id[0, 0]) == int(np.asarray(logits)[0, -1].argmax())
+    assert np.asarray(first.valid).tolist() == [[True, False]]
     state, out = engine.sample_step(engine.params, state, kv_len=64, steps=4)
     # max_len 3: the first token came from prefill, two more from decode, then the slot stops itself
     np.testing.assert_array_equal(np.asarray(out.valid)[:, 2], [True, True, False, False])

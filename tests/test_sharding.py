@@ -30,6 +30,9 @@ SHARD = dataclasses.replace(TINY, vocab_size=512, emb_size=64, num_q_heads=8, nu
                             sequence_len=48)
 MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]
 PROMPTS = [[5, 9, 200, 17, 3, 44], [77] * 11, list(range(30, 50)), [400, 401]]
+# a round of at most 16 tokens: prefill calls of 1 or 2 rows of 8, or one of 16 (few variants to
+# compile on each mesh; several prompts still share calls, and the 20-token one is chunked)
+BUDGET = 16
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +125,8 @@ def single_device(shard_params, plain_params):
     tokens = np.array([p + [0] * (20 - len(p)) for p in PROMPTS], np.int32)
     lengths = np.array([len(p) for p in PROMPTS])
     logits = np.asarray(forward(plain_params, tokens, SHARD, lengths=lengths).logits)
-    runner = InferenceRunner(runner=ModelRunner(model=SHARD, params=shard_params), batch_size=8, pad_sizes=(8, 16))
+    runner = InferenceRunner(runner=ModelRunner(model=SHARD, params=shard_params), batch_size=8, pad_sizes=(8, 16),
+                             max_num_batched_tokens=BUDGET)
     runner.initialize()
     return tokens, lengths, logits, generate(runner)
 
@@ -149,7 +153,7 @@ def test_meshes_match_single_device(shard_params, plain_params, single_device, s
     logits = plain.forward(plain.params, tokens, lengths)
     assert_close_fp32(np.asarray(logits), want_logits)
     runner = InferenceRunner(runner=ModelRunner(model=SHARD, params=shard_params), batch_size=8,
-                             pad_sizes=(8, 16), mesh=mesh)
+                             pad_sizes=(8, 16), mesh=mesh, max_num_batched_tokens=BUDGET)
     runner.initialize()
     engine = runner.runner
     assert generate(runner) == want_tokens
@@ -177,9 +181,10 @@ def test_expert_parallelism_matches(shard_params, plain_params, single_device):
     plain.initialize(mesh, batch_size=8)
     assert_close_fp32(np.asarray(plain.forward(plain.params, tokens, lengths)), want_logits)
     runner = InferenceRunner(runner=ModelRunner(model=SHARD, params=shard_params, rules=EXPERT_PARALLEL_RULES),
-                             batch_size=8, pad_sizes=(8, 16), mesh=mesh)
+                             batch_size=8, pad_sizes=(8, 16), mesh=mesh, max_num_batched_tokens=BUDGET)
     runner.initialize()
-    w = runner.runner.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
+    engine = runner.runner
+    w = engine.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
     assert w.sharding.spec == P("model", None, "data")
     assert generate(runner) == want_tokens
 
@@ -223,7 +228,7 @@ def multihost_case():
     """Runs identically in one process (8 devices) and in each of 2 processes (4 devices each)."""
     params = jax.tree_util.tree_map(np.asarray, lively(init_params(MULTIHOST, jax.random.PRNGKey(5))))
     runner = InferenceRunner(runner=ModelRunner(model=MULTIHOST, params=params), batch_size=4,
-                             pad_sizes=(8, 16), mesh=make_mesh((2, 4)))
+                             pad_sizes=(8, 16), mesh=make_mesh((2, 4)), max_num_batched_tokens=BUDGET)
     runner.initialize()
     requests = [Request(p, temperature=0.0, max_len=10) for p in PROMPTS[:3]]
     requests.append(Request(PROMPTS[3], temperature=1.0, rng_seed=11, max_len=10))

@@ -1,0 +1,209 @@
+"""Serving under load, ours against peers in one run: the loads of issue 22, token-id prompts.
+
+    python -m bench.load [--servers ours,vllm,llama] [--scenarios rate1,burst32,long32,arrivals]
+                         [--ours-tree DIR] [--out bench/load.json]
+
+Every server serves the bench config's dimensions (``bench/common.py``, with the shipped
+tokenizer's 8,192-token vocabulary) with random weights in float32, 8 sequences at a time, on the
+machine's 2 threads, and gets the same requests: prompts of random token ids (so every server
+computes the same number of prompt tokens), greedy, streamed, ``ignore_eos`` for the peers (ours
+has no such field yet; a random model rarely picks EOS, and every figure counts the tokens that
+came). Each server runs alone (started, measured, stopped), one after the other.
+
+- ``rate1``: 32 requests arriving as a Poisson process at 1 request/s, 128-token prompts, 64 new
+  tokens each: TTFT, TPOT, ITL per token as the client receives it, output tokens/s.
+- ``burst32``: the same 32 requests all at once.
+- ``long32``: 32 distinct 1,056-token prompts at once, 16 new tokens each: the total time.
+- ``arrivals``: 4 streams decode (128-token prompts, 600 new tokens); over 4 s without arrivals,
+  then while four 1,024-token prompts arrive 1.5 s apart, their ITL p50 / p99 / max.
+
+Servers: ``ours`` is ``python run.py serve`` of this tree, or of ``--ours-tree`` (a checkout of
+another commit, for before/after in one run), on a checkpoint written here. ``vllm`` and
+``llama`` run the scripts ``/tmp/peers/vllm.sh PORT`` and ``/tmp/peers/llama.sh PORT`` (how to
+set them up: BENCHMARKS.md, "Peers"); a server whose script is missing is skipped, and said so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+
+from bench.serve import HERE, free_port, percentile, start_server, stop_server
+
+VOCAB = 8192
+PEERS = {"vllm": "/tmp/peers/vllm.sh", "llama": "/tmp/peers/llama.sh"}
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, VOCAB, length).tolist() for _ in range(n)]
+
+
+@dataclasses.dataclass
+class Server:
+    name: str
+    url: str
+    model: str
+    extra: dict  # body fields this server needs (ignore_eos for the peers)
+
+
+async def stream(client: httpx.AsyncClient, server: Server, prompt: list[int], max_tokens: int,
+                 times: list[float] | None = None) -> dict:
+    """One streamed completion: the arrival time of every chunk that carried text, appended to
+    ``times`` as they come (so a cancelled stream keeps them)."""
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, **server.extra}
+    start = time.perf_counter()
+    times = [] if times is None else times
+    async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.perf_counter())
+    end = time.perf_counter()
+    return {"start": start, "end": end, "times": times, "tokens": len(times)}
+
+
+def summary(results: list[dict], duration: float) -> dict:
+    ttft = [r["times"][0] - r["start"] for r in results if r["times"]]
+    tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in results if len(r["times"]) > 1]
+    itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
+    tokens = sum(r["tokens"] for r in results)
+    return {"requests": len(results), "duration_s": duration, "output_tokens": tokens,
+            "output_tokens_per_s": tokens / duration,
+            **{f"ttft_p{q}_ms": percentile(ttft, q) * 1e3 for q in (50, 99)},
+            **{f"tpot_p{q}_ms": percentile(tpot, q) * 1e3 for q in (50, 99)},
+            **{f"itl_p{q}_ms": percentile(itl, q) * 1e3 for q in (50, 99)}}
+
+
+async def open_loop(server: Server, work: list[tuple[list[int], int]], rate: float, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=len(work) + 8)) as client:
+        start = time.perf_counter()
+        tasks = []
+        for prompt, max_tokens in work:
+            tasks.append(asyncio.create_task(stream(client, server, prompt, max_tokens)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+        results = await asyncio.gather(*tasks)
+        return summary(results, time.perf_counter() - start)
+
+
+async def arrivals(server: Server) -> dict:
+    """Four decoding streams, first alone, then while long prompts arrive: their gaps per token."""
+    times: list[list[float]] = [[] for _ in range(4)]
+    async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=16)) as client:
+        running = [asyncio.create_task(stream(client, server, p, 600, t)) for p, t in zip(prompts(4, 128, 7), times)]
+        await asyncio.sleep(3.0)  # every stream decoding
+        quiet = (time.perf_counter(), time.perf_counter() + 4.0)
+        await asyncio.sleep(4.0)
+        busy_start = time.perf_counter()
+        long = []
+        for p in prompts(4, 1024, 8):
+            long.append(asyncio.create_task(stream(client, server, p, 4)))
+            await asyncio.sleep(1.5)
+        done = await asyncio.gather(*long)
+        busy = (busy_start, max(r["end"] for r in done))
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+    out = {}
+    for name, (lo, hi) in (("alone", quiet), ("arrivals", busy)):
+        g = [b - a for t in times for a, b in zip(t, t[1:]) if lo <= a and b <= hi]
+        out[name] = {"gaps": len(g), **{f"itl_p{q}_ms": percentile(g, q) * 1e3 for q in (50, 99)},
+                     "itl_max_ms": max(g) * 1e3 if g else float("nan")}
+    out["long_ttft_ms"] = [(r["times"][0] - r["start"]) * 1e3 if r["times"] else float("nan") for r in done]
+    return out
+
+
+SCENARIOS = {
+    "rate1": lambda s: open_loop(s, [(p, 64) for p in prompts(32, 128, 1)], 1.0, 1),
+    "burst32": lambda s: open_loop(s, [(p, 64) for p in prompts(32, 128, 1)], float("inf"), 1),
+    "long32": lambda s: open_loop(s, [(p, 16) for p in prompts(32, 1056, 2)], float("inf"), 2),
+    "arrivals": arrivals,
+}
+
+
+def ours_checkpoint(directory: str) -> str:
+    import jax
+
+    from bench.common import BENCH
+    from checkpoints.native import save
+    from model import init_params
+    from runner.runner import default_checkpoint
+
+    config = dataclasses.replace(BENCH, vocab_size=VOCAB)
+    path = os.path.join(directory, "ours")
+    save(path, init_params(config, jax.random.PRNGKey(0)), config,
+         tokenizer=os.path.join(default_checkpoint(), "tokenizer.model"))
+    return path
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--servers", default="ours,vllm,llama",
+                   help="ours, ours-before (with --ours-tree), vllm, llama; in this order")
+    p.add_argument("--scenarios", default="rate1,burst32,long32,arrivals")
+    p.add_argument("--ours-tree", help="a checkout of another commit: served as ours-before")
+    p.add_argument("--serve-args", default="", help="extra arguments of ours' serve (both trees)")
+    p.add_argument("--out", default="bench/load.json")
+    args = p.parse_args(argv)
+    from bench.common import cpu
+
+    scratch = tempfile.TemporaryDirectory()
+    checkpoint = ours_checkpoint(scratch.name)
+    log = tempfile.TemporaryFile("w+")
+    results = {"cpu": cpu(), "args": vars(args), "servers": {}}
+    print(f"CPU: {results['cpu']}")
+    for name in args.servers.split(","):
+        port = free_port()
+        if name in ("ours", "ours-before"):
+            tree = HERE if name == "ours" else args.ours_tree
+            if tree is None:
+                p.error("ours-before needs --ours-tree")
+            command = [sys.executable, os.path.join(tree, "run.py"), "serve", "--checkpoint", checkpoint,
+                       "--model-name", "bench", "--port", str(port), "--batch-size", "8",
+                       "--max-waiting", "1000"] + args.serve_args.split()
+            server = Server(name, f"http://127.0.0.1:{port}", "bench", {})
+            env_tree = tree
+        else:
+            script = PEERS[name]
+            if not os.path.exists(script):
+                print(f"{name}: {script} not found, skipped")
+                continue
+            command = ["bash", script, str(port)]
+            server = Server(name, f"http://127.0.0.1:{port}", "", {"ignore_eos": True})
+            env_tree = HERE
+        started = time.perf_counter()
+        process = start_server(command, port, log, cwd=env_tree)
+        if not server.model:
+            server.model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        print(f"\n{name}: up in {time.perf_counter() - started:.0f} s")
+        row = {}
+        try:
+            asyncio.run(open_loop(server, [(q, 8) for q in prompts(8, 128, 99)], float("inf"), 99))  # warm-up
+            for scenario in args.scenarios.split(","):
+                row[scenario] = asyncio.run(SCENARIOS[scenario](server))
+                print(f"  {scenario}: {json.dumps(row[scenario])}", flush=True)
+        finally:
+            stop_server(process)
+        results["servers"][name] = row
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    scratch.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""``Scheduler``: the waiting and running requests and the batch slots, and the plan of each round.
+
+Each round the engine core asks for a ``RoundPlan`` and runs it: at most one prefill call, whose
+rows are prompt chunks of several requests (a row per request, all padded to one bucket), then
+one decode call that advances every decoding slot by ``decode_steps`` tokens. The plan keeps
+under a token budget (``max_num_batched_tokens``, vLLM's name): the decoding slots count one token
+each, and prompt chunks are added, oldest request first, where the real tokens fit in what is
+left and the call's padded size (rows x bucket) fits in the budget too. The first chunk of a
+round is always taken, so a prompt never waits behind the budget; a round therefore holds the
+running streams for at most one budget's worth of prefill.
+
+A request's chunks are cut when it is admitted, from its prompt alone (``chunk_lengths``), so
+what arrives beside it never changes how its prompt is computed: its tokens are the ones it gets
+alone. Only its last chunk samples; its first token is emitted when that chunk's output is read.
+
+KV accounting: a slot holds up to ``sequence_len`` positions; a request is admitted when a slot is
+free and its prompt plus its ``max_len`` fit there (checked at submit). The host knows each
+slot's exact number of computed positions as of the outputs it has read (``Sequence.computed``),
+and an upper bound of what is in flight (``Sequence.dispatched``), which picks the KV bucket.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import zlib
+from typing import Optional
+
+import numpy as np
+
+from runner.requests import Request
+from runner.state import MAX_STOP_IDS, PrefillBatch
+
+# Padding a prompt's last chunk by this many positions costs less than one more device call (at
+# small chunk sizes a prefill call's time goes to reading the weights, not to its positions).
+PAD_SLACK = 64
+
+
+def smallest_at_least(sizes: tuple[int, ...], n: int) -> int:
+    """The smallest of the sorted ``sizes`` that is >= ``n``, else the largest."""
+    return next((size for size in sizes if size >= n), sizes[-1])
+
+
+def chunk_lengths(total: int, sizes: tuple[int, ...]) -> list[int]:
+    """A prompt of ``total`` tokens cut into chunks for buckets ``sizes`` (sorted), so that padding
+    wastes little: the rest goes into the smallest bucket that holds it when that pads it by at
+    most an eighth of the prompt (or by at most ``PAD_SLACK`` positions), else a full chunk of
+    the largest bucket that it fills is taken first. A 1,056-token prompt with buckets 16, 64,
+    ..., 1024, 2048 is 1,024 + 32 (in a 64 bucket), not 1,056 in 2,048."""
+    chunks, start = [], 0
+    while start < total:
+        rest = total - start
+        fit = smallest_at_least(sizes, rest)
+        if fit >= rest and (fit - rest <= max(total // 8, PAD_SLACK) or fit == sizes[0]):
+            take = rest
+        else:  # the largest bucket the rest fills (one exists: the rest exceeds the smallest)
+            take = max(s for s in sizes if s <= rest)
+        chunks.append(take)
+        start += take
+    return chunks
+
+
+def finish_reason(token: int, request: Request, eos_token: int) -> str:
+    """The name of the reason a request ended with ``token`` (the device decided that it did, by
+    ``runner.state.ends``)."""
+    return "eos" if token == eos_token else "stop" if token in request.stop_token_ids else "length"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """A request in the scheduler: waiting, then in a slot prefilling its prompt, then decoding."""
+
+    request: Request
+    ids: list[int]
+    sink: object  # where its events go (runner.core.Sink)
+    chunks: list[int]  # its prompt's chunk lengths (chunk_lengths), cut when it was submitted
+    prompt_key: int = 0  # a hash of its prompt ids: requests with one prompt prefill it once
+    slot: Optional[int] = None
+    detokenizer: object = None  # made when it is admitted
+    chunks_done: int = 0  # chunks dispatched (a dispatched chunk always computes all its tokens)
+    prefilled: int = 0  # prompt tokens dispatched
+    decode_steps: int = 0  # decode steps dispatched since its last chunk (an upper bound of its tokens)
+    generated: int = 0  # tokens read back and emitted
+    finished: bool = False
+
+    @property
+    def decoding(self) -> bool:
+        return self.chunks_done == len(self.chunks)
+
+    @property
+    def computed(self) -> int:
+        """Positions of its slot's cache holding its tokens, as of the outputs read so far: the
+        prompt, and every generated token but the last (the next step writes that one)."""
+        return self.prefilled + max(self.generated - 1, 0)
+
+    @property
+    def dispatched(self) -> int:
+        """Positions its slot's cache will hold once the calls dispatched so far have run, at most."""
+        return self.prefilled + self.decode_steps
+
+
+@dataclasses.dataclass
+class PrefillRow:
+    sequence: Sequence
+    start: int  # the chunk's first prompt position
+    length: int  # its real tokens
+
+
+@dataclasses.dataclass
+class Fork:
+    """A waiting request with the same prompt as the request of prefill row ``row``: it takes a
+    copy of that row's KV and samples its first token from that row's logits (``n`` > 1 prefills
+    its prompt once)."""
+
+    row: int
+    sequence: Sequence
+
+
+@dataclasses.dataclass
+class RoundPlan:
+    """What one round computes: prefill rows (one call, ``rows`` x ``bucket`` tokens, attending
+    over ``prefill_kv_len`` positions) and the forks of its last chunks, then ``decode`` slots
+    (one call of ``decode_steps`` steps over ``decode_kv_len`` positions)."""
+
+    prefill: list[PrefillRow]
+    forks: list[Fork] = dataclasses.field(default_factory=list)
+    rows: int = 0
+    bucket: int = 0
+    prefill_kv_len: int = 0
+    decode: list[Sequence] = dataclasses.field(default_factory=list)
+    decode_kv_len: int = 0
+
+
+def row_buckets(batch_size: int) -> tuple[int, ...]:
+    """Row counts a prefill call is padded to: powers of two below the batch size, and it (a
+    padding row reaches no expert, so it costs a fraction of a real one)."""
+    sizes, n = [], 1
+    while n < batch_size:
+        sizes.append(n)
+        n *= 2
+    return tuple(sizes) + (batch_size,)
+
+
+class Scheduler:
+    """The waiting queue, the slots and the requests in them; ``schedule()`` plans each round.
+
+    ``pad_sizes`` are the prefill buckets, ``kv_buckets`` the KV lengths a call may attend over,
+    ``budget`` the tokens a round may compute (``max_num_batched_tokens``); chunks are cut to
+    buckets no larger than it."""
+
+    def __init__(self, batch_size: int, pad_sizes: tuple[int, ...], kv_buckets: tuple[int, ...],
+                 sequence_len: int, budget: int, decode_steps: int, eos_token: int):
+        self.batch_size, self.sequence_len = batch_size, sequence_len
+        self.kv_buckets, self.budget, self.decode_steps = kv_buckets, budget, decode_steps
+        self.eos_token = eos_token
+        self.chunk_sizes = tuple(s for s in pad_sizes if s <= budget) or pad_sizes[:1]
+        self.row_buckets = row_buckets(batch_size)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.slots: list[Optional[Sequence]] = [None] * batch_size
+        self._admitted: list[Sequence] = []  # in slots and still prefilling, oldest first
+
+    # ---- requests in and out ---------------------------------------------------------------------
+    def add(self, request: Request, ids: list[int], sink) -> Sequence:
+        sequence = Sequence(request, ids, sink, chunk_lengths(len(ids), self.chunk_sizes), hash(tuple(ids)))
+        self.waiting.append(sequence)
+        return sequence
+
+    def find(self, request_id: str) -> Optional[Sequence]:
+        """The waiting or running (not finished) sequence of ``request_id``."""
+        for s in list(self.waiting) + [s for s in self.slots if s is not None]:
+            if s.request.request_id == request_id and not s.finished:
+                return s
+        return None
+
+    def finish(self, sequence: Sequence) -> None:
+        """``sequence`` has ended: out of the queue or its slot, which is free from now on."""
+        sequence.finished = True
+        if sequence in self.waiting:
+            self.waiting.remove(sequence)
+        if sequence.slot is not None and self.slots[sequence.slot] is sequence:
+            self.slots[sequence.slot] = None
+        if sequence in self._admitted:
+            self._admitted.remove(sequence)
+
+    def running(self) -> list[Sequence]:
+        return [s for s in self.slots if s is not None]
+
+    def free_slots(self) -> int:
+        return self.slots.count(None)
+
+    def kv_usage(self) -> tuple[int, int]:
+        """(positions held by the running requests, positions the slots hold in all)."""
+        return sum(s.computed for s in self.running()), self.batch_size * self.sequence_len
+
+    # ---- the plan of a round ---------------------------------------------------------------------
+    def schedule(self) -> RoundPlan:
+        decoding = [s for s in self.slots if s is not None and s.decoding]
+        left = self.budget - len(decoding)
+        rows: list[PrefillRow] = []
+        bucket = 0
+        for sequence in self._candidates():
+            if sequence.slot is None and self._leader_of(sequence, [r.sequence for r in rows]):
+                continue  # it will copy the leader's prompt when the leader's last chunk is computed
+            length = sequence.chunks[sequence.chunks_done]
+            size = smallest_at_least(self.chunk_sizes, length)
+            grown = max(bucket, size)
+            if rows and (length > left or grown * smallest_at_least(self.row_buckets, len(rows) + 1) > self.budget):
+                continue  # the oldest first; a later one that fits may join (the oldest left out leads soon)
+            if sequence.slot is None:
+                self._admit(sequence)
+            rows.append(PrefillRow(sequence, sequence.prefilled, length))
+            left -= length
+            bucket = grown
+        plan = RoundPlan(rows)
+        if rows:
+            plan.rows = smallest_at_least(self.row_buckets, len(rows))
+            plan.bucket = bucket
+            plan.prefill_kv_len = smallest_at_least(self.kv_buckets, max(r.start + r.length for r in rows))
+            for i, row in enumerate(rows):
+                row.sequence.chunks_done += 1
+                row.sequence.prefilled += row.length
+                if row.sequence.decoding:
+                    self._admitted.remove(row.sequence)
+                    plan.forks += [Fork(i, s) for s in self._forks_of(row.sequence)]
+        plan.decode = [s for s in self.slots if s is not None and s.decoding]
+        if plan.decode:
+            steps = self.decode_steps
+            plan.decode_kv_len = smallest_at_least(self.kv_buckets, max(s.dispatched for s in plan.decode) + steps)
+            for s in plan.decode:
+                s.decode_steps += steps
+        return plan
+
+    def _leader_of(self, sequence: Sequence, scheduled: list[Sequence]) -> Optional[Sequence]:
+        """A request with ``sequence``'s prompt that is being prefilled (or is this round)."""
+        for other in self._admitted + scheduled:
+            if other.prompt_key == sequence.prompt_key and other.ids == sequence.ids:
+                return other
+        return None
+
+    def _forks_of(self, leader: Sequence) -> list[Sequence]:
+        """Waiting requests with ``leader``'s prompt, admitted into free slots as its copies."""
+        out = []
+        for sequence in list(self.waiting):
+            if not self.slots.count(None):
+                break
+            if sequence.prompt_key == leader.prompt_key and sequence.ids == leader.ids:
+                self.waiting.remove(sequence)
+                sequence.slot = self.slots.index(None)
+                self.slots[sequence.slot] = sequence
+                sequence.chunks_done, sequence.prefilled = len(sequence.chunks), len(sequence.ids)
+                out.append(sequence)
+        return out
+
+    def unfork(self, sequence: Sequence) -> None:
+        """``sequence`` cannot copy its prompt after all (its leader failed): it prefills it itself,
+        in the slot it has, first among the prompts in slots."""
+        sequence.chunks_done = sequence.prefilled = sequence.decode_steps = 0
+        self._admitted.insert(0, sequence)
+
+    def _candidates(self):
+        """Prompts to prefill, oldest first: those already in slots, then waiting ones while a
+        slot is free for them."""
+        yield from list(self._admitted)
+        free = self.slots.count(None)
+        for sequence in list(self.waiting):
+            if free == 0:
+                return
+            free -= 1
+            yield sequence
+
+    def _admit(self, sequence: Sequence) -> None:
+        self.waiting.remove(sequence)
+        sequence.slot = self.slots.index(None)
+        self.slots[sequence.slot] = sequence
+        self._admitted.append(sequence)
+
+    def prefill_shapes(self) -> set[tuple[int, int, int]]:
+        """Every (rows, bucket, KV length) a prefill call of ``schedule`` can have: a call's padded
+        size fits the budget (or it is one row), and its KV length covers a chunk of its bucket."""
+        shapes = set()
+        for i, t in enumerate(self.chunk_sizes):
+            shortest = self.chunk_sizes[i - 1] + 1 if i else 1  # the longest chunk of a call of bucket t
+            for kv in self.kv_buckets:
+                if kv < smallest_at_least(self.kv_buckets, shortest):
+                    continue
+                for p in self.row_buckets:
+                    if p == 1 or p * t <= self.budget:
+                        shapes.add((p, t, kv))
+        return shapes
+
+
+def prefill_row(batch: PrefillBatch, i: int, row: PrefillRow, eos_token: int) -> None:
+    """Write ``row`` (a chunk of one request) as row ``i`` of the host arrays of ``batch``."""
+    s = row.sequence
+    batch.tokens[i, : row.length] = s.ids[row.start: row.start + row.length]
+    batch.lengths[i] = row.length
+    batch.reset[i] = row.start == 0
+    batch.last[i] = row.start + row.length == len(s.ids)
+    request_row(batch, i, s, eos_token)
+
+
+def request_row(batch: PrefillBatch, i: int, sequence: Sequence, eos_token: int) -> None:
+    """The slot and settings of ``sequence``'s request in row ``i`` of ``batch``."""
+    request = sequence.request
+    batch.slots[i] = sequence.slot
+    batch.temperature[i] = request.temperature
+    batch.nucleus_p[i] = request.nucleus_p
+    batch.top_k[i] = request.top_k
+    batch.seed[i] = request.rng_seed if request.rng_seed is not None else default_seed(request)
+    batch.max_len[i] = request.max_len
+    stop = [eos_token] + sorted(set(request.stop_token_ids) - {eos_token})
+    batch.stop_ids[i, : len(stop)] = stop
+
+
+def empty_batch(rows: int, bucket: int, batch_size: int) -> PrefillBatch:
+    """A prefill batch of padding rows only (slot = batch size), as host arrays."""
+    return PrefillBatch(
+        slots=np.full((rows,), batch_size, np.int32), tokens=np.zeros((rows, bucket), np.int32),
+        lengths=np.zeros((rows,), np.int32), reset=np.zeros((rows,), bool), last=np.zeros((rows,), bool),
+        temperature=np.zeros((rows,), np.float32), nucleus_p=np.ones((rows,), np.float32),
+        top_k=np.zeros((rows,), np.int32), seed=np.zeros((rows,), np.uint32),
+        max_len=np.ones((rows,), np.int32), stop_ids=np.full((rows, MAX_STOP_IDS), -1, np.int32))
+
+
+def default_seed(request: Request) -> int:
+    """The seed of a request that names none: derived from its id, so every process of a
+    multi-host run draws the same tokens (each runs the same scheduler on the same requests)."""
+    return zlib.crc32(request.request_id.encode())

@@ -1,0 +1,101 @@
+"""The scheduler's plans, on the host alone: how prompts are cut, what a round computes under its
+token budget, and that every plan has a shape that warm-up compiled."""
+
+import pytest
+
+from runner import Request
+from runner.runner import default_kv_buckets, default_pad_sizes
+from runner.scheduler import PAD_SLACK, Scheduler, chunk_lengths, smallest_at_least
+
+
+@pytest.mark.parametrize("sizes, sequence_len", [((8, 16, 32), 64), (default_pad_sizes(2048), 2048), ((128, 512), 512)])
+def test_prompt_chunks_cover_the_prompt_and_pad_little(sizes, sequence_len):
+    """Every prompt length: the chunks add up to the prompt, all but the last fill their bucket,
+    and the last is padded by at most an eighth of the prompt or PAD_SLACK positions (or sits in
+    the smallest bucket)."""
+    for n in range(1, sequence_len):
+        chunks = chunk_lengths(n, sizes)
+        assert sum(chunks) == n
+        assert all(c in sizes for c in chunks[:-1]), (n, chunks)
+        waste = smallest_at_least(sizes, chunks[-1]) - chunks[-1]
+        assert waste <= max(n // 8, PAD_SLACK) or chunks[-1] <= sizes[0], (n, chunks)
+    if sequence_len == 2048:  # 1,056 tokens: a full 1,024 chunk and 32 in a 64 bucket
+        assert chunk_lengths(1056, sizes) == [1024, 32]
+
+
+def scheduler(budget=512, batch=8, sequence_len=2048, steps=4):
+    return Scheduler(batch, default_pad_sizes(sequence_len), default_kv_buckets(sequence_len), sequence_len,
+                     budget, steps, eos_token=2)
+
+
+def submit(s, *lengths):
+    """Requests of distinct prompts of these lengths."""
+    prompts = [[i + 4] + list(range(1, n)) for i, n in enumerate(lengths)]
+    return [s.add(Request(p, max_len=8), p, None) for p in prompts]
+
+
+def test_requests_with_one_prompt_prefill_it_once():
+    s = scheduler()
+    prompt = list(range(4, 304))  # chunks 256 + 44
+    leader, *copies = [s.add(Request(prompt, max_len=8), prompt, None) for _ in range(3)]
+    (other,) = submit(s, 10)
+    first = s.schedule()
+    assert [r.sequence for r in first.prefill] == [leader, other] and not first.forks  # the copies wait
+    second = s.schedule()
+    assert [r.sequence for r in second.prefill] == [leader] and [f.sequence for f in second.forks] == copies
+    assert all(c.decoding and c.computed == 300 for c in copies) and set(second.decode) == {leader, other, *copies}
+
+
+def test_a_burst_of_prompts_is_prefilled_in_one_call():
+    s = scheduler()
+    seqs = submit(s, *([40] * 8))
+    plan = s.schedule()
+    assert [r.sequence for r in plan.prefill] == seqs and (plan.rows, plan.bucket) == (8, 64)
+    assert plan.decode == seqs  # each starts decoding in the same round, after its prefill
+    assert [q.slot for q in seqs] == list(range(8)) and not s.waiting
+
+
+def test_a_round_keeps_to_its_token_budget_oldest_first():
+    s = scheduler(budget=512)
+    a, b, c = submit(s, 1056, 300, 20)
+    shapes = s.prefill_shapes()
+    plans, order = [], []
+    while any(not q.decoding for q in (a, b, c)):
+        plan = s.schedule()
+        assert (plan.rows, plan.bucket, plan.prefill_kv_len) in shapes
+        real = sum(r.length for r in plan.prefill) + len([q for q in s.running() if q.decoding and q not in
+                                                          [r.sequence for r in plan.prefill]])
+        assert len(plan.prefill) == 1 or real <= 512
+        assert len(plan.prefill) == 1 or plan.rows * plan.bucket <= 512
+        order.append([(r.sequence, r.start, r.length) for r in plan.prefill])
+        plans.append(plan)
+    # a's chunks are its own (cut from its prompt alone), in order; nobody overtakes a
+    assert [(st, n) for round_ in order for q, st, n in round_ if q is a] == [(0, 256), (256, 256), (512, 256),
+                                                                            (768, 256), (1024, 32)]
+    names = {id(a): "a", id(b): "b", id(c): "c"}
+    assert [[(names[id(q)], n) for q, _, n in round_] for round_ in order] == [
+        [("a", 256), ("b", 256)],  # 512 tokens in 2 x 256 positions
+        [("a", 256), ("b", 44)],  # c would make the call 4 x 256 positions
+        [("a", 256), ("c", 20)],
+        [("a", 256)],
+        [("a", 32)]]
+    assert a.computed == 1056 and b.prefilled == 300 and c.prefilled == 20
+
+
+def test_waiting_requests_take_free_slots_only():
+    s = scheduler(batch=2)
+    seqs = submit(s, 10, 10, 10)
+    plan = s.schedule()
+    assert [r.sequence for r in plan.prefill] == seqs[:2] and list(s.waiting) == seqs[2:]
+    s.finish(seqs[0])
+    plan = s.schedule()
+    assert [r.sequence for r in plan.prefill] == seqs[2:] and seqs[2].slot == 0
+
+
+def test_the_kv_bucket_covers_every_row_in_flight():
+    s = scheduler()
+    (a,) = submit(s, 60)
+    plan = s.schedule()
+    assert plan.prefill_kv_len == 64 and plan.decode_kv_len == 64  # 60 + 4 steps
+    plan = s.schedule()
+    assert plan.decode_kv_len == 256 and a.dispatched == 68 and a.computed == 60
