@@ -117,11 +117,69 @@ def loop_grouped_matmul(x_RK, matmul, sizes_E, n: int, dtype):
     return out_RN[:r]
 
 
+ATTENTION_BLOCK = 256  # query and key positions per block of a long chunk's attention
+
+
 def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float):
     """Grouped-query attention of queries ``q [B, T, N, H]`` (rotated) over the first S positions
     of keys and values ``[B, K, S_max, H]`` where ``mask [B, T, S]`` allows: ``[B, T, N, H]`` in
     q's dtype. Grok-1: logits times ``scale``, soft-capped at ``cap * tanh(x / cap)``, masked to
-    -1e30, softmax in float32."""
+    -1e30, softmax in float32. A prompt chunk over at least two blocks of keys is attended block
+    by block (``attend_blocked``), skipping the key blocks no query of a block may see."""
+    t, s = q_BTNH.shape[1], mask_BTS.shape[-1]
+    queries = min(t, ATTENTION_BLOCK)
+    if t >= 16 and t % queries == 0 and s >= 2 * ATTENTION_BLOCK and s % ATTENTION_BLOCK == 0:
+        return attend_blocked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, queries)
+    return attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap)
+
+
+def attend_blocked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, queries: int = ATTENTION_BLOCK,
+                   block: int = ATTENTION_BLOCK):
+    """``attend_dense``, ``queries`` queries at a time over key blocks with a running softmax
+    (FlashAttention's recurrence), each query block stopping after the last key block any of its
+    queries may see: a prompt chunk's causal half, and the KV bucket past the rows' positions,
+    are never computed. Equal to ``attend_dense`` up to float rounding (the softmax's sums run in
+    another order); a query that sees no key gets the mean of the values it computed over, as
+    the dense softmax of all-masked logits gives."""
+    b, t, n, h = q_BTNH.shape
+    s, dtype = mask_BTS.shape[-1], q_BTNH.dtype
+    k, g = k_BKSH.shape[1], n // k_BKSH.shape[1]
+    q_BTKGH = q_BTNH.reshape(b, t, k, g, h)
+    positions_S = jnp.arange(s)
+
+    def query_block(i, out_BTKGH):
+        q_BQKGH = jax.lax.dynamic_slice_in_dim(q_BTKGH, i * queries, queries, axis=1)
+        mask_BQS = jax.lax.dynamic_slice_in_dim(mask_BTS, i * queries, queries, axis=1)
+        last = jnp.max(jnp.where(mask_BQS, positions_S, -1))  # the last key any query here sees
+        blocks = jnp.maximum(last // block + 1, 1)
+
+        def key_block(j, carry):
+            m_BKGQ, l_BKGQ, acc_BKGQH = carry
+            k_BKCH = jax.lax.dynamic_slice_in_dim(k_BKSH, j * block, block, axis=2).astype(dtype)
+            v_BKCH = jax.lax.dynamic_slice_in_dim(v_BKSH, j * block, block, axis=2).astype(dtype)
+            mask_BQC = jax.lax.dynamic_slice_in_dim(mask_BQS, j * block, block, axis=2)
+            logits = jnp.einsum("BQKGH,BKCH->BKGQC", q_BQKGH, k_BKCH).astype(jnp.float32) * scale
+            logits = cap * jnp.tanh(logits / cap)
+            logits = jnp.where(mask_BQC[:, None, None], logits, _MASKED)
+            m_new = jnp.maximum(m_BKGQ, jnp.max(logits, axis=-1))
+            p = jnp.exp(logits - m_new[..., None])
+            correction = jnp.exp(m_BKGQ - m_new)
+            l_BKGQ = l_BKGQ * correction + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("BKGQC,BKCH->BKGQH", p.astype(dtype), v_BKCH).astype(jnp.float32)
+            return m_new, l_BKGQ, acc_BKGQH * correction[..., None] + pv
+
+        init = (jnp.full((b, k, g, queries), -jnp.inf, jnp.float32), jnp.zeros((b, k, g, queries), jnp.float32),
+                jnp.zeros((b, k, g, queries, h), jnp.float32))
+        _, l_BKGQ, acc_BKGQH = jax.lax.fori_loop(0, blocks, key_block, init)
+        out_BQKGH = (acc_BKGQH / l_BKGQ[..., None]).astype(dtype).transpose(0, 3, 1, 2, 4)
+        return jax.lax.dynamic_update_slice_in_dim(out_BTKGH, out_BQKGH, i * queries, axis=1)
+
+    out = jax.lax.fori_loop(0, t // queries, query_block, jnp.zeros((b, t, k, g, h), dtype))
+    return out.reshape(b, t, n, h)
+
+
+def attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float):
+    """``attend`` in one piece: every query against every key of the first S positions."""
     b, t, n, h = q_BTNH.shape
     s, dtype = mask_BTS.shape[-1], q_BTNH.dtype
     k, g = k_BKSH.shape[1], n // k_BKSH.shape[1]

@@ -4,8 +4,9 @@ Each round: apply the submissions and cancellations that clients queued, ask the
 (``runner/scheduler.py``) for the round's plan, dispatch it (one prefill call holding the prompt
 chunks of several requests, then one decode call for every decoding slot), then turn the
 previous calls' outputs into ``TokenEvent``s, each delivered to its own request's client. The host reads a
-call's tokens only after the next call was dispatched (one call of pipelining, as the reference),
-so the device never waits for the host.
+call's tokens only after the next round's calls were dispatched (pipelining, as the reference),
+so the device never waits for the host; it reads them call by call, so a request's first token
+leaves when its prefill call ends.
 
 Clients (``RunStream``, ``InferenceRunner.generate``, ``sample_from_model``, the HTTP server)
 only ``submit`` requests with a sink for their events and ``cancel`` them; both are thread-safe
@@ -219,13 +220,21 @@ class EngineCore:
             if plan.prefill:
                 self._dispatch_prefill(plan)
             if plan.decode:
-                out = self.model.run_decode(plan.decode_kv_len, self.scheduler.decode_steps)
+                out = self.model.run_decode(plan.decode_kv_len, plan.decode_steps)
                 self._pending.append((out, {s.slot: s for s in plan.decode}))
-            ready = jax.device_get(ready)  # one host sync a round, after the next calls are dispatched
         except Exception as e:  # a device call failed: its outputs, and the state, are lost
             self._fail_all(f"{type(e).__name__}: {e}")
             return
-        self._read(ready)
+        # The previous round's outputs, read once this round's calls are queued behind them, one
+        # call at a time: a prefill's first tokens go out when it ends, not after the decode call
+        # that follows it.
+        for out, columns in ready:
+            try:
+                out = jax.device_get(out)
+            except Exception as e:
+                self._fail_all(f"{type(e).__name__}: {e}")
+                return
+            self._read(out, columns)
 
     def _dispatch_prefill(self, plan: RoundPlan) -> None:
         """The plan's prefill call, then its forks. A request whose row cannot be made (its
@@ -323,17 +332,16 @@ class EngineCore:
         self._end(sequence.sink, TokenEvent(sequence.request, sequence.generated, None, self._flush(sequence),
                                             0.0, (), "cancelled"))
 
-    def _read(self, ready) -> None:
-        """Turn device outputs into events. Every row is read, whatever one request's emit does."""
-        for out, columns in ready:
-            for step in range(out.valid.shape[0]):
-                for column, sequence in columns.items():
-                    if out.valid[step, column] and not sequence.finished:
-                        try:
-                            self._emit(sequence, out, step, column)
-                        except Exception as e:
-                            self._free(sequence)
-                            self._error(sequence.request, sequence.sink, sequence.generated, e)
+    def _read(self, out, columns: dict[int, Sequence]) -> None:
+        """Turn one call's outputs into events. Every row is read, whatever one request's emit does."""
+        for step in range(out.valid.shape[0]):
+            for column, sequence in columns.items():
+                if out.valid[step, column] and not sequence.finished:
+                    try:
+                        self._emit(sequence, out, step, column)
+                    except Exception as e:
+                        self._free(sequence)
+                        self._error(sequence.request, sequence.sink, sequence.generated, e)
 
     def _emit(self, sequence: Sequence, out, step: int, column: int) -> None:
         sample, request = out.sample, sequence.request

@@ -135,8 +135,9 @@ class InferenceRunner:
         batches = [empty_batch(p, t, b) for p, t, _ in prefills]
         lowered = [model.prefill_memory.variant(kv_len=kv).lower(model.params, model.state, batch)
                    for batch, (_, _, kv) in zip(batches, prefills)]
-        lowered += [model.sample_step.variant(kv_len=kv_len, steps=self.decode_steps).lower(
-            model.params, model.state) for kv_len in self.kv_buckets]
+        steps = sorted({1, self.decode_steps})  # one step beside a prefill (runner.scheduler)
+        lowered += [model.sample_step.variant(kv_len=kv_len, steps=n).lower(model.params, model.state)
+                    for kv_len in self.kv_buckets for n in steps]
         # a fork (in warm-up: slot 0 copied onto itself, nothing started), its logits placed like
         # a prefill's output (a host array would be another variant)
         one, logits = empty_batch(1, 1, b), np.zeros((b, self.config.vocab_size), np.float32)
@@ -148,7 +149,7 @@ class InferenceRunner:
         # each variant run once (padding rows and free slots only: nothing changes)
         outs = [model.run_prefill(batch, kv) for batch, (_, _, kv) in zip(batches, prefills)]
         outs.append(model.run_fork(logits, 0, 0, one))
-        outs += [model.run_decode(kv_len, self.decode_steps) for kv_len in self.kv_buckets]
+        outs += [model.run_decode(kv_len, n) for kv_len in self.kv_buckets for n in steps]
         jax.block_until_ready((model.state, outs))
 
     @property

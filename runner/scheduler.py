@@ -2,7 +2,8 @@
 
 Each round the engine core asks for a ``RoundPlan`` and runs it: at most one prefill call, whose
 rows are prompt chunks of several requests (a row per request, all padded to one bucket), then
-one decode call that advances every decoding slot by ``decode_steps`` tokens. The plan keeps
+one decode call that advances every decoding slot by ``decode_steps`` tokens (by one beside a
+prefill, so that a round stays about one budget's worth of prefill long). The plan keeps
 under a token budget (``max_num_batched_tokens``, vLLM's name): the decoding slots count one token
 each, and prompt chunks are added, oldest request first, where the real tokens fit in what is
 left and the call's padded size (rows x bucket) fits in the budget too. The first chunk of a
@@ -129,6 +130,7 @@ class RoundPlan:
     prefill_kv_len: int = 0
     decode: list[Sequence] = dataclasses.field(default_factory=list)
     decode_kv_len: int = 0
+    decode_steps: int = 0
 
 
 def row_buckets(batch_size: int) -> tuple[int, ...]:
@@ -224,7 +226,9 @@ class Scheduler:
                     plan.forks += [Fork(i, s) for s in self._forks_of(row.sequence)]
         plan.decode = [s for s in self.slots if s is not None and s.decoding]
         if plan.decode:
-            steps = self.decode_steps
+            # beside a prefill, one step: the round (the streams' gap between tokens) stays one
+            # chunk's prefill long, and a prompt's next chunk, or the next prompt, comes sooner
+            steps = plan.decode_steps = 1 if rows else self.decode_steps
             plan.decode_kv_len = smallest_at_least(self.kv_buckets, max(s.dispatched for s in plan.decode) + steps)
             for s in plan.decode:
                 s.decode_steps += steps
