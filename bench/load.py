@@ -7,8 +7,9 @@ Every server serves the bench config's dimensions (``bench/common.py``, with the
 tokenizer's 8,192-token vocabulary) with random weights in float32, 8 sequences at a time, on the
 machine's 2 threads, and gets the same requests: prompts of random token ids (so every server
 computes the same number of prompt tokens), greedy, streamed, ``ignore_eos`` for the peers (ours
-has no such field yet; a random model rarely picks EOS, and every figure counts the tokens that
-came). Each server runs alone (started, measured, stopped), one after the other.
+has no such field yet: its checkpoint names the last id EOS; each scenario reports its finish
+reasons). A chunk's tokens are counted by its logprobs where it has them (ours streams what one
+decode call made as one chunk, so it is asked for ``logprobs: 0``), else one a chunk. Each server runs alone (started, measured, stopped), one after the other.
 
 - ``rate1``: 32 requests arriving as a Poisson process at 1 request/s, 128-token prompts, 64 new
   tokens each: TTFT, TPOT, ITL per token as the client receives it, output tokens/s.
@@ -63,17 +64,22 @@ async def stream(client: httpx.AsyncClient, server: Server, prompt: list[int], m
     body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, **server.extra}
     start = time.perf_counter()
-    times = [] if times is None else times
+    times, finish = ([] if times is None else times), None
     async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                times.append(time.perf_counter())
+            choice = (chunk.get("choices") or [{}])[0]
+            # a chunk may carry several tokens (ours: what one decode call made); with logprobs
+            # asked for, their count is the chunk's, each token arriving when its chunk did
+            tokens = len((choice.get("logprobs") or {}).get("tokens") or []) or (1 if choice.get("text") else 0)
+            times.extend([time.perf_counter()] * tokens)
+            if choice.get("finish_reason"):
+                finish = choice["finish_reason"]
     end = time.perf_counter()
-    return {"start": start, "end": end, "times": times, "tokens": len(times)}
+    return {"start": start, "end": end, "times": times, "tokens": len(times), "finish": finish}
 
 
 def summary(results: list[dict], duration: float) -> dict:
@@ -81,7 +87,8 @@ def summary(results: list[dict], duration: float) -> dict:
     tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in results if len(r["times"]) > 1]
     itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
     tokens = sum(r["tokens"] for r in results)
-    return {"requests": len(results), "duration_s": duration, "output_tokens": tokens,
+    finishes = {f: sum(r["finish"] == f for r in results) for f in {r["finish"] for r in results}}
+    return {"requests": len(results), "duration_s": duration, "output_tokens": tokens, "finish": finishes,
             "output_tokens_per_s": tokens / duration,
             **{f"ttft_p{q}_ms": percentile(ttft, q) * 1e3 for q in (50, 99)},
             **{f"tpot_p{q}_ms": percentile(tpot, q) * 1e3 for q in (50, 99)},
@@ -144,7 +151,9 @@ def ours_checkpoint(directory: str) -> str:
     from model import init_params
     from runner.runner import default_checkpoint
 
-    config = dataclasses.replace(BENCH, vocab_size=VOCAB)
+    # EOS is named an id past the tokenizer's pieces' use (the last one): ours has no ignore_eos
+    # yet, and every server should generate every token asked for
+    config = dataclasses.replace(BENCH, vocab_size=VOCAB, eos_token=VOCAB - 1)
     path = os.path.join(directory, "ours")
     save(path, init_params(config, jax.random.PRNGKey(0)), config,
          tokenizer=os.path.join(default_checkpoint(), "tokenizer.model"))
@@ -176,7 +185,7 @@ def main(argv=None) -> None:
             command = [sys.executable, os.path.join(tree, "run.py"), "serve", "--checkpoint", checkpoint,
                        "--model-name", "bench", "--port", str(port), "--batch-size", "8",
                        "--max-waiting", "1000"] + args.serve_args.split()
-            server = Server(name, f"http://127.0.0.1:{port}", "bench", {})
+            server = Server(name, f"http://127.0.0.1:{port}", "bench", {"logprobs": 0})
             env_tree = tree
         else:
             script = PEERS[name]
