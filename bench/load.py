@@ -160,6 +160,28 @@ def ours_checkpoint(directory: str) -> str:
     return path
 
 
+def markdown(results: dict) -> str:
+    """The figures of a run as one table, a row a server."""
+    rows = ["| server | rate1 TTFT p50 / p99 ms | rate1 TPOT p50 / p99 ms | rate1 ITL p99 ms | burst32 tok/s "
+            "| burst32 TTFT p50 ms | long32 total s | arrivals ITL p50 / p99 / max ms, alone | the same while long "
+            "prompts arrive | long prompts' TTFT ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results["servers"].items():
+        def get(scenario, key, fmt="{:.0f}"):
+            value = r.get(scenario, {}).get(key)
+            return "-" if value is None else fmt.format(value)
+
+        arrivals = r.get("arrivals", {})
+        gaps = lambda w: " / ".join(f"{arrivals[w][k]:.0f}" for k in ("itl_p50_ms", "itl_p99_ms", "itl_max_ms")) \
+            if w in arrivals else "-"  # noqa: E731
+        long_ttft = ", ".join(f"{x:,.0f}" for x in arrivals.get("long_ttft_ms", [])) or "-"
+        rows.append(f"| {name} | {get('rate1', 'ttft_p50_ms')} / {get('rate1', 'ttft_p99_ms')} | "
+                    f"{get('rate1', 'tpot_p50_ms', '{:.1f}')} / {get('rate1', 'tpot_p99_ms', '{:.1f}')} | "
+                    f"{get('rate1', 'itl_p99_ms')} | {get('burst32', 'output_tokens_per_s', '{:.1f}')} | "
+                    f"{get('burst32', 'ttft_p50_ms', '{:,.0f}')} | {get('long32', 'duration_s', '{:.1f}')} | "
+                    f"{gaps('alone')} | {gaps('arrivals')} | {long_ttft} |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", default="ours,vllm,llama",
@@ -168,7 +190,12 @@ def main(argv=None) -> None:
     p.add_argument("--ours-tree", help="a checkout of another commit: served as ours-before")
     p.add_argument("--serve-args", default="", help="extra arguments of ours' serve (both trees)")
     p.add_argument("--out", default="bench/load.json")
+    p.add_argument("--table", metavar="FILE", help="print the table of a run's JSON, and run nothing")
     args = p.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(markdown(json.load(f)))
+        return
     from bench.common import cpu
 
     scratch = tempfile.TemporaryDirectory()
@@ -211,6 +238,7 @@ def main(argv=None) -> None:
         results["servers"][name] = row
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
+    print("\n" + markdown(results))
     scratch.cleanup()
 
 

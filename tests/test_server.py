@@ -518,7 +518,7 @@ def multihost_runner(tokenizer):
 
     params = jax.tree_util.tree_map(np.asarray, lively(init_params(MULTIHOST, jax.random.PRNGKey(5))))
     runner = InferenceRunner(runner=ModelRunner(model=MULTIHOST, params=params), batch_size=4, pad_sizes=(8, 16),
-                             mesh=make_mesh((2, 4)), tokenizer_path=tokenizer)
+                             mesh=make_mesh((2, 4)), tokenizer_path=tokenizer, max_num_batched_tokens=16)
     runner.initialize()
     return runner
 

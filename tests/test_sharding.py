@@ -28,7 +28,9 @@ from tests.test_quant import quantize_params
 # every sharded dimension divisible by 8: emb 64, 8 KV heads, ffn 88, 4 experts
 SHARD = dataclasses.replace(TINY, vocab_size=512, emb_size=64, num_q_heads=8, num_kv_heads=8, key_size=8,
                             sequence_len=48)
-MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]
+# (2, 4) shards both axes; the other two shapes of the same devices run with -m slow
+MESHES = [(1, 1), (1, 8), (2, 4), pytest.param((4, 2), marks=pytest.mark.slow),
+          pytest.param((8, 1), marks=pytest.mark.slow)]
 PROMPTS = [[5, 9, 200, 17, 3, 44], [77] * 11, list(range(30, 50)), [400, 401]]
 # a round of at most 16 tokens: prefill calls of 1 or 2 rows of 8, or one of 16 (few variants to
 # compile on each mesh; several prompts still share calls, and the 20-token one is chunked)
