@@ -1,17 +1,18 @@
 """``InferenceRunner``: a model served in batch slots with pad buckets, and its clients.
 
 A fixed number of slots decode together. A submitted request is validated and tokenized, waits in
-a FIFO queue, and when a slot is free its prompt is prefilled there (padded to the smallest
-bucket that holds it; a prompt longer than the largest bucket is prefilled in chunks, never
-truncated). Every round then runs one decode call for all slots and streams one ``TokenEvent``
-per generated token; a request that ends (EOS, a stop token, ``max_len``, cancellation or an
-error of its own) frees its slot for the next waiting request while the others keep decoding.
+a FIFO queue, and once a slot is free its prompt is prefilled there in chunks of the pad buckets
+(cut from its length alone, never truncated), several requests' chunks per prefill call under
+the round's token budget (``runner/scheduler.py``). Every round then runs one decode call for
+all slots and streams one ``TokenEvent`` per generated token; a request that ends (EOS, a stop
+token, ``max_len``, cancellation or an error of its own) frees its slot for the next waiting
+request while the others keep decoding.
 
-The rounds and the device state belong to the runner's ``EngineCore`` (``runner/core.py``). The
-streams of ``run()``, ``generate()`` and ``sample_from_model()`` are its clients: each submits
-requests and reads only its own requests' events, so any number of them can be live at once, in
-one thread or several, and each gets exactly the tokens it would get alone.
-"""
+The rounds belong to the runner's ``EngineCore`` (``runner/core.py``), the device state and the
+jitted steps to its ``ModelRunner`` (``runner/engine.py``). The streams of ``run()``,
+``generate()`` and ``sample_from_model()`` are the core's clients: each submits requests and
+reads only its own requests' events, so any number of them can be live at once, in one thread
+or several, and each gets exactly the tokens it would get alone."""
 
 from __future__ import annotations
 

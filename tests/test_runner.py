@@ -14,6 +14,7 @@ from tests.helpers import lively
 
 CONFIG = dataclasses.replace(TINY, vocab_size=320)
 PAD_SIZES = (8, 16, 32)  # a 40-token prompt is prefilled as 32 + 8
+BUDGET = 32  # prefill calls of up to 4 x 8, 2 x 16 or 1 x 32 positions: 6 variants to compile, not 9
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +25,7 @@ def params():
 @pytest.fixture(scope="session")
 def runner(params, test_tokenizer):
     r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=4,
-                        pad_sizes=PAD_SIZES, tokenizer_path=test_tokenizer)
+                        pad_sizes=PAD_SIZES, tokenizer_path=test_tokenizer, max_num_batched_tokens=BUDGET)
     r.initialize()
     return r
 

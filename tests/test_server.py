@@ -53,7 +53,7 @@ class LiveServer:
 
 def _runner(params, tokenizer, batch_size=4):
     r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=batch_size,
-                        pad_sizes=(8, 16, 32), tokenizer_path=tokenizer)
+                        pad_sizes=(8, 16, 32), tokenizer_path=tokenizer, max_num_batched_tokens=32)
     r.initialize()
     return r
 

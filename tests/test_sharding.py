@@ -243,6 +243,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # test_server's two-process server checks the same tokens against one process, and more
 def test_two_processes_give_the_same_tokens_as_one(tmp_path):
     want = multihost_case()
     port = str(free_port())
