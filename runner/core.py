@@ -1,4 +1,5 @@
-"""``EngineCore``: the one owner of a runner's device state, and the scheduling loop over it.
+"""``EngineCore``: the rounds over a runner's device state, the only code that changes it (through
+the ``ModelRunner`` that holds it).
 
 Each round: apply the submissions and cancellations that clients queued, ask the ``Scheduler``
 (``runner/scheduler.py``) for the round's plan, dispatch it (one prefill call holding the prompt

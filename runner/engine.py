@@ -246,22 +246,32 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
 
     memory = KVMemory(k=tuple(map(put, memory.k, out.memory.k)), v=tuple(map(put, memory.v, out.memory.v)),
                       step=memory.step.at[slots].set(out.memory.step, mode="drop"))
-    # The key is derived from the seed alone, so chunking never changes a request's samples.
-    split = jax.vmap(lambda seed: jax.random.split(jax.random.PRNGKey(seed)))(batch.seed)  # [P, 2, 2]
-    keys, sample_keys = split[:, 0], split[:, 1]
-    settings = SampleSettings(temperature=batch.temperature, nucleus_p=batch.nucleus_p, top_k=batch.top_k)
+    keys, sample_keys, settings = _seeded(batch)
     logits = out.logits[:, -1]
     # Only a request's last chunk samples: a call of middle chunks never draws or summarises.
     # (The logits are also returned: a request with the same prompt forks from them, ``fork``.)
     draw = functools.partial(sample_token, logits, settings, sample_keys, sampler)
     nothing = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(draw))
     first = jax.lax.cond(jnp.any(batch.last), draw, lambda: nothing)
-    state = state.replace(memory=memory).start(batch, first, keys)
-    ended = batch.last & ends(first.token_id, batch.stop_ids, batch.max_len - 1)
-    sample = jax.tree_util.tree_map(lambda a: a[None], first)
+    state, output = _start(state.replace(memory=memory), batch, first, keys)
     # padded to the batch size: one compiled fork serves prefill calls of any row count
     logits_BV = jnp.zeros((b, logits.shape[-1]), logits.dtype).at[: logits.shape[0]].set(logits)
-    return state, DecodeOutput(sample, batch.last[None], ended[None]), logits_BV
+    return state, output, logits_BV
+
+
+def _seeded(batch: PrefillBatch):
+    """Each row's PRNG key from now on, the key of its first draw, and its sampling settings. The
+    keys derive from the seed alone, so chunking or forking never changes a request's samples."""
+    split = jax.vmap(lambda seed: jax.random.split(jax.random.PRNGKey(seed)))(batch.seed)  # [P, 2, 2]
+    settings = SampleSettings(temperature=batch.temperature, nucleus_p=batch.nucleus_p, top_k=batch.top_k)
+    return split[:, 0], split[:, 1], settings
+
+
+def _start(state: DecodeState, batch: PrefillBatch, first, keys):
+    """``state.start`` for ``batch``'s last-chunk rows, and the call's output: one step of P rows."""
+    ended = batch.last & ends(first.token_id, batch.stop_ids, batch.max_len - 1)
+    output = DecodeOutput(jax.tree_util.tree_map(lambda a: a[None], first), batch.last[None], ended[None])
+    return state.start(batch, first, keys), output
 
 
 def fork(sampler, state: DecodeState, logits_BV, row, source, batch: PrefillBatch):
@@ -275,12 +285,9 @@ def fork(sampler, state: DecodeState, logits_BV, row, source, batch: PrefillBatc
         return full.at[dst].set(full[source])
 
     memory = KVMemory(k=tuple(map(copy, memory.k)), v=tuple(map(copy, memory.v)), step=copy(memory.step))
-    split = jax.random.split(jax.random.PRNGKey(batch.seed[0]))
-    settings = SampleSettings(temperature=batch.temperature, nucleus_p=batch.nucleus_p, top_k=batch.top_k)
-    first = sample_token(logits_BV[row][None], settings, split[1][None], sampler)
-    state = state.replace(memory=memory).start(batch, first, split[0][None])
-    ended = batch.last & ends(first.token_id, batch.stop_ids, batch.max_len - 1)
-    return state, DecodeOutput(jax.tree_util.tree_map(lambda a: a[None], first), batch.last[None], ended[None])
+    keys, sample_keys, settings = _seeded(batch)
+    first = sample_token(logits_BV[row][None], settings, sample_keys, sampler)
+    return _start(state.replace(memory=memory), batch, first, keys)
 
 
 def decode(apply, sampler, params, state: DecodeState, kv_len: int, steps: int):
