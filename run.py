@@ -190,8 +190,9 @@ def serve(argv) -> int:
                    help="largest request body, counted as it arrives (chunked or not); beyond, 413 "
                    "(default 4194304)")
     p.add_argument("--max-scored-tokens", type=bounded(int, 0, None, "an integer >= 0"), default=None,
-                   help="prompt tokens one request may have scored (echo with logprobs); default: "
-                   "--batch-size x the model's sequence_len")
+                   help="prompt tokens one request may have scored (echo with logprobs), computed as part "
+                   "of its prefill; default: --batch-size x the model's sequence_len; 0: echo with logprobs "
+                   "is refused and its scoring prefill variants are not compiled")
     p.add_argument("--read-timeout", type=bounded(float, 0.001, None, "a number of seconds > 0"), default=15.0,
                    help="seconds a client may take to send a request's head, or between two pieces of its "
                    "body; then its connection is closed and logged (default 15)")
@@ -253,6 +254,7 @@ def serve(argv) -> int:
                                                     backend=args.backend),
                                  tokenizer_path=args.tokenizer, batch_size=args.batch_size,
                                  local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
+                                 score_prompts=args.max_scored_tokens != 0,
                                  **({} if args.max_num_batched_tokens is None
                                     else {"max_num_batched_tokens": args.max_num_batched_tokens}))
         runner.initialize()

@@ -64,7 +64,8 @@ def main(argv=None):
             sh = engine._state_shardings
             temperature, top_p, top_k = SETTINGS[name]
             settings = SampleSettings(temperature=np.full((b,), temperature, np.float32),
-                                      nucleus_p=np.full((b,), top_p, np.float32), top_k=np.full((b,), top_k, np.int32))
+                                      nucleus_p=np.full((b,), top_p, np.float32), top_k=np.full((b,), top_k, np.int32),
+                                      logprobs=np.zeros((b,), np.int32))  # with the summary, as served with logprobs
             keys = rng.integers(0, 2**32, (b, 2), dtype=np.uint32)  # each slot its own draws
             states[name, kernel] = engine.new_state().replace(settings=jax.device_put(settings, sh.settings),
                                                               keys=jax.device_put(keys, sh.keys))

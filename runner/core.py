@@ -43,7 +43,7 @@ from typing import Callable, Optional, Protocol
 import jax
 import numpy as np
 
-from runner.requests import Request, TokenEvent
+from runner.requests import PromptLogprob, Request, TokenEvent
 from runner.scheduler import RoundPlan, Scheduler, Sequence, empty_batch, finish_reason, prefill_row, request_row
 from runner.tokenizer import IncrementalDetokenizer
 
@@ -104,7 +104,9 @@ class EngineCore:
         self._ids = threading.Lock()
         self._round_lock = threading.Lock()  # one thread runs rounds at a time
         self._changed = threading.Condition()  # notified after every round and command
-        self._pending: list[tuple[object, dict[int, Sequence]]] = []  # outputs not read yet, by column
+        # outputs not read yet: (a call's output, its columns' sequences, and a scoring prefill's
+        # PromptScores with each row's first prompt position, or None)
+        self._pending: list[tuple[object, dict[int, Sequence], Optional[tuple]]] = []
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.broadcast = False  # several processes: process 0's commands go to all (see above)
@@ -222,19 +224,21 @@ class EngineCore:
                 self._dispatch_prefill(plan)
             if plan.decode:
                 out = self.model.run_decode(plan.decode_kv_len, plan.decode_steps)
-                self._pending.append((out, {s.slot: s for s in plan.decode}))
+                self._pending.append((out, {s.slot: s for s in plan.decode}, None))
         except Exception as e:  # a device call failed: its outputs, and the state, are lost
             self._fail_all(f"{type(e).__name__}: {e}")
             return
         # The previous round's outputs, read once this round's calls are queued behind them, one
         # call at a time: a prefill's first tokens go out when it ends, not after the decode call
         # that follows it.
-        for out, columns in ready:
+        for out, columns, scoring in ready:
             try:
-                out = jax.device_get(out)
+                out, scoring = jax.device_get((out, scoring))
             except Exception as e:
                 self._fail_all(f"{type(e).__name__}: {e}")
                 return
+            if scoring is not None:
+                self._read_scores(*scoring, columns)
             self._read(out, columns)
 
     def _dispatch_prefill(self, plan: RoundPlan) -> None:
@@ -253,13 +257,17 @@ class EngineCore:
                 self._error(row.sequence.request, row.sequence.sink, 0, e)
                 continue
             columns[i] = row.sequence
-        out, logits = self.model.run_prefill(batch, plan.prefill_kv_len)
-        self._pending.append((out, columns))  # a request's first token is its row's sample
+        out, logits, scores = self.model.run_prefill(batch, plan.prefill_kv_len, plan.score)
+        chunks = {i: (plan.prefill[i].start, plan.prefill[i].length) for i in columns}
+        # a request's first token is its row's sample
+        self._pending.append((out, columns, None if scores is None else (scores, chunks)))
         for fork in plan.forks:
             sequence, leader = fork.sequence, plan.prefill[fork.row].sequence
             if leader.finished:  # the leader's row was not computed: the copy prefills itself
                 self.scheduler.unfork(sequence)
                 continue
+            if sequence.scored:  # its leader's scores, complete when its first token is read
+                sequence.scores = leader.scores
             one = empty_batch(1, 1, self.scheduler.batch_size)
             one.reset[0] = one.last[0] = True
             try:
@@ -268,7 +276,7 @@ class EngineCore:
                 self._free(sequence, release=False)
                 self._error(sequence.request, sequence.sink, 0, e)
                 continue
-            self._pending.append((self.model.run_fork(logits, fork.row, leader.slot, one), {0: sequence}))
+            self._pending.append((self.model.run_fork(logits, fork.row, leader.slot, one), {0: sequence}, None))
 
     def _starting(self, sequence: Sequence, first: bool, make_row: Callable[[], None]) -> None:
         """Before ``sequence``'s row is dispatched: on its first chunk its detokenizer, and its
@@ -344,6 +352,23 @@ class EngineCore:
                         self._free(sequence)
                         self._error(sequence.request, sequence.sink, sequence.generated, e)
 
+    def _read_scores(self, scores, chunks: dict[int, tuple[int, int]], columns: dict[int, Sequence]) -> None:
+        """A scoring prefill's ``PromptScores`` into each row's request: for each position of its
+        chunk (``chunks``: first prompt position, length), the prompt token after it with its
+        log-probability and alternatives (the chunk's last position scores the next chunk's
+        first token; the prompt's last position has nothing to score)."""
+        for column, sequence in columns.items():
+            if sequence.finished:
+                continue
+            (start, length), k, ids = chunks[column], sequence.request.prompt_logprobs, sequence.ids
+            if start == 0:
+                sequence.scores.append(PromptLogprob(ids[0], None, ()))
+            n = min(length, len(ids) - 1 - start)
+            chosen = scores.logprob[column, :n].tolist()
+            top_ids, top_probs = scores.top_ids[column, :n, :k].tolist(), scores.top_probs[column, :n, :k].tolist()
+            sequence.scores += [PromptLogprob(ids[start + j + 1], chosen[j], tuple(zip(top_ids[j], top_probs[j])))
+                                for j in range(n)]
+
     def _emit(self, sequence: Sequence, out, step: int, column: int) -> None:
         sample, request = out.sample, sequence.request
         token = int(sample.token_id[step, column])
@@ -353,9 +378,15 @@ class EngineCore:
         text = "" if reason in ("eos", "stop") or sequence.detokenizer is None else sequence.detokenizer.add(token)
         if reason is not None:
             text += self._flush(sequence)
-        top = tuple(zip(sample.top_k_token_ids[step, column].tolist(), sample.top_k_probs[step, column].tolist()))
-        event = TokenEvent(request, sequence.generated - 1, token, text, float(sample.logprob[step, column]), top,
-                           reason)
+        logprob, top = None, ()
+        if request.logprobs is not None:  # else the call computed none for this row
+            logprob = float(sample.logprob[step, column])
+            k = request.logprobs
+            top = tuple(zip(sample.top_k_token_ids[step, column, :k].tolist(),
+                            sample.top_k_probs[step, column, :k].tolist()))
+        prompt = tuple(sequence.scores) if sequence.scored and sequence.generated == 1 else None
+        event = TokenEvent(request, sequence.generated - 1, token, text, logprob, top, reason,
+                           prompt_logprobs=prompt)
         if reason is not None:
             self._free(sequence, release=False)  # the device stopped it itself
             self._end(sequence.sink, event)

@@ -6,7 +6,8 @@
 - ``prefill_memory(params, state, batch, kv_len)`` -> writes the prompt chunks of several
   requests (``state.PrefillBatch``: one row per request with its slot, padded tokens and sampling
   settings) into their slots of the decode state, and samples the first token of each request
-  whose last chunk it is; compiled once per (rows, pad bucket, KV-length bucket).
+  whose last chunk it is; compiled once per (rows, pad bucket, KV-length bucket), and once more
+  per one-row shape that also scores every prompt position (``score``: prompt log-probabilities).
 - ``sample_step(params, state, kv_len, steps)`` -> ``steps`` decode steps of every slot in one
   call (a scan on device, each slot stopping at its EOS, stop tokens or budget), attending to
   the first ``kv_len`` cache positions only; compiled once per KV-length bucket.
@@ -36,7 +37,7 @@ from model.memory import KVMemory, new_memory
 from model.sharding import (DEFAULT_RULES, activation_sharding, make_mesh, memory_specs, param_shardings,
                             spec_for)
 from model.transformer import LanguageModel
-from runner.sampling import SampleOutput, SampleSettings, sample_token
+from runner.sampling import SampleOutput, SampleSettings, sample_token, score_positions
 from runner.selection import BACKENDS, Selection, choose, start
 from runner.state import MAX_STOP_IDS, DecodeOutput, DecodeState, PrefillBatch, ends
 
@@ -129,7 +130,7 @@ class ModelRunner:
         return DecodeState(
             memory=named(mem),
             tokens=self._named(batch),
-            settings=SampleSettings(*(self._named(batch) for _ in range(3))),
+            settings=SampleSettings(*(self._named(batch) for _ in range(4))),
             keys=self._named(P(*batch, None)),
             active=self._named(batch),
             remaining=self._named(batch),
@@ -159,17 +160,17 @@ class ModelRunner:
         def _new_memory():
             return new_memory(config, b)
 
-        rows = jax.tree_util.tree_map(lambda _: replicated, PrefillBatch(*range(11)))
+        rows = jax.tree_util.tree_map(lambda _: replicated, PrefillBatch(*range(len(dataclasses.fields(PrefillBatch)))))
         step_out_sh = DecodeOutput(out_sh, replicated, replicated)
         self.forward = jax.jit(forward, in_shardings=(params_sh, None, None))
         self.new_memory = jax.jit(_new_memory, out_shardings=state_sh.memory)
         # One jitted function per static setting (KV length, or KV length x steps), each with
         # explicit shardings (a prefill's is also compiled per shape of its batch); made on first
         # use, which warm-up does for every variant the scheduler can ask for.
-        self.prefill_memory = _PerStatic(lambda kv_len: jax.jit(
-            functools.partial(prefill, apply, sampler, kv_len=kv_len),
+        self.prefill_memory = _PerStatic(lambda kv_len, score=False: jax.jit(
+            functools.partial(prefill, apply, sampler, kv_len=kv_len, score=score),
             in_shardings=(params_sh, state_sh, rows),
-            out_shardings=(state_sh, step_out_sh, replicated), donate_argnums=1))
+            out_shardings=(state_sh, step_out_sh, replicated, replicated), donate_argnums=1))
         self.sample_step = _PerStatic(lambda kv_len, steps: jax.jit(
             functools.partial(decode, apply, sampler, kv_len=kv_len, steps=steps),
             in_shardings=(params_sh, state_sh), out_shardings=(state_sh, step_out_sh), donate_argnums=1))
@@ -182,11 +183,13 @@ class ModelRunner:
         self.state = self.new_state()
 
     # ---- the decode state, and the calls that change it ----------------------------------------
-    def run_prefill(self, batch: PrefillBatch, kv_len: int) -> tuple[DecodeOutput, jax.Array]:
-        """Dispatch one prefill call on the state (``prefill``); its outputs (the sampled tokens,
-        and each row's last logits, left on the device for ``run_fork``) are not waited for."""
-        self.state, out, logits = self.prefill_memory(self.params, self.state, batch, kv_len=kv_len)
-        return out, logits
+    def run_prefill(self, batch: PrefillBatch, kv_len: int, score: bool = False):
+        """Dispatch one prefill call on the state (``prefill``); its outputs are not waited for:
+        the sampled tokens, each row's last logits (left on the device for ``run_fork``) and,
+        with ``score``, its positions' ``PromptScores`` (else None)."""
+        self.state, out, logits, scores = self.prefill_memory(self.params, self.state, batch, kv_len=kv_len,
+                                                              score=score)
+        return out, logits, scores
 
     def run_fork(self, logits, row: int, source: int, batch: PrefillBatch) -> DecodeOutput:
         """Dispatch a copy of slot ``source`` into the one-row ``batch``'s slot, its first token
@@ -216,7 +219,7 @@ class ModelRunner:
             tokens=jax.device_put(np.zeros((b,), np.int32), sh.tokens),
             settings=jax.device_put(SampleSettings(
                 temperature=np.zeros((b,), np.float32), nucleus_p=np.ones((b,), np.float32),
-                top_k=np.zeros((b,), np.int32)), sh.settings),
+                top_k=np.zeros((b,), np.int32), logprobs=np.full((b,), -1, np.int32)), sh.settings),
             keys=jax.device_put(np.zeros((b, 2), np.uint32), sh.keys),
             active=jax.device_put(np.zeros((b,), bool), sh.active),
             remaining=jax.device_put(np.zeros((b,), np.int32), sh.remaining),
@@ -224,10 +227,12 @@ class ModelRunner:
         )
 
 
-def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_len: int):
+def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_len: int, score: bool = False):
     """The prompt chunks of ``batch`` (``P`` rows, one request each, in distinct slots) into their
     slots of ``state``, and the first token of each request whose last chunk it is sampled; the
     rows attend to (and are copied in and out over) the first ``kv_len`` cache positions only.
+    With ``score`` (static) every position is unembedded and scored against ``batch.targets``
+    (``PromptScores``, else None): prompt log-probabilities, as part of the prefill.
     ``apply(variables, tokens, memory, lengths, last_only, kv_len)`` is the model; ``sampler`` the
     backend that ``sample_token`` cuts and summarises on. Pure: jitted with ``state`` donated."""
     memory, b = state.memory, state.tokens.shape[0]
@@ -239,7 +244,12 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
     step = jnp.take(memory.step, slots, mode="fill", fill_value=0)
     sub = KVMemory(k=tuple(map(rows, memory.k)), v=tuple(map(rows, memory.v)),
                    step=jnp.where(batch.reset, 0, step))
-    out = apply({"params": params}, batch.tokens, sub, batch.lengths, True, kv_len)
+    out = apply({"params": params}, batch.tokens, sub, batch.lengths, not score, kv_len)
+    if score:
+        scores = score_positions(out.logits, batch.targets, sampler)
+        logits = jnp.take_along_axis(out.logits, jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    else:
+        scores, logits = None, out.logits[:, -1]
 
     def put(full, new):
         return full.at[slots, :, :kv_len].set(new.astype(full.dtype), mode="drop")
@@ -247,7 +257,6 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
     memory = KVMemory(k=tuple(map(put, memory.k, out.memory.k)), v=tuple(map(put, memory.v, out.memory.v)),
                       step=memory.step.at[slots].set(out.memory.step, mode="drop"))
     keys, sample_keys, settings = _seeded(batch)
-    logits = out.logits[:, -1]
     # Only a request's last chunk samples: a call of middle chunks never draws or summarises.
     # (The logits are also returned: a request with the same prompt forks from them, ``fork``.)
     draw = functools.partial(sample_token, logits, settings, sample_keys, sampler)
@@ -256,14 +265,15 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
     state, output = _start(state.replace(memory=memory), batch, first, keys)
     # padded to the batch size: one compiled fork serves prefill calls of any row count
     logits_BV = jnp.zeros((b, logits.shape[-1]), logits.dtype).at[: logits.shape[0]].set(logits)
-    return state, output, logits_BV
+    return state, output, logits_BV, scores
 
 
 def _seeded(batch: PrefillBatch):
     """Each row's PRNG key from now on, the key of its first draw, and its sampling settings. The
     keys derive from the seed alone, so chunking or forking never changes a request's samples."""
     split = jax.vmap(lambda seed: jax.random.split(jax.random.PRNGKey(seed)))(batch.seed)  # [P, 2, 2]
-    settings = SampleSettings(temperature=batch.temperature, nucleus_p=batch.nucleus_p, top_k=batch.top_k)
+    settings = SampleSettings(temperature=batch.temperature, nucleus_p=batch.nucleus_p, top_k=batch.top_k,
+                              logprobs=batch.logprobs)
     return split[:, 0], split[:, 1], settings
 
 

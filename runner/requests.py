@@ -20,6 +20,7 @@ _ids = itertools.count()
 FINISH_REASONS = ("eos", "stop", "length", "cancelled", "error")
 INT32_MAX = 2**31 - 1  # token ids, top_k and max_len reach the device as int32
 SEED_LIMIT = 2**32  # seeds reach it as uint32
+MAX_LOGPROBS = 20  # alternatives a token may report: the most the OpenAI API asks for
 
 
 def _is_int(value) -> bool:
@@ -56,6 +57,12 @@ class Request:
     top_k: int = 0  # 0 = off
     stop_token_ids: Optional[Sequence[int]] = ()  # generation ends after any of these (EOS always ends it)
     request_id: Optional[str] = None  # assigned if None; unique among the live requests of a runner
+    # Log-probabilities, computed only when asked (vLLM's ``logprobs``/``prompt_logprobs``): None:
+    # none; k: each generated token's log-probability and its k most likely alternatives (at most
+    # ``runner.sampling.TOP_K``). ``prompt_logprobs`` does the same for each prompt token, computed
+    # by the prefill on a runner made with ``score_prompts=True``.
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)  # frozen: the checked values are set once, here
@@ -84,6 +91,12 @@ class Request:
             raise ValueError(f"Request.max_len must be a positive integer below 2**31, got {self.max_len!r}")
         if self.rng_seed is not None and (not _is_int(self.rng_seed) or not 0 <= self.rng_seed < SEED_LIMIT):
             raise ValueError(f"Request.rng_seed must be an integer in [0, 2**32) or None, got {self.rng_seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"Request.{name} must be None or an integer in [0, {MAX_LOGPROBS}] (alternatives "
+                                 f"per token), got {value!r}")
+            set_(name, None if value is None else int(value))
         set_("top_k", int(self.top_k))
         set_("max_len", int(self.max_len))
         set_("rng_seed", None if self.rng_seed is None else int(self.rng_seed))
@@ -96,6 +109,15 @@ class Request:
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token scored given the tokens before it (``Request.prompt_logprobs``)."""
+
+    token_id: int
+    logprob: Optional[float]  # None for the first prompt token: nothing comes before it
+    top_tokens: tuple  # ((token id, probability), ...) the most likely tokens at its position
+
+
+@dataclasses.dataclass(frozen=True)
 class TokenEvent:
     """One generated token of one request, or, with ``token_id`` None, its end without one
     (finish reason ``cancelled``, or ``error`` with the message in ``error``)."""
@@ -104,10 +126,13 @@ class TokenEvent:
     index: int  # 0 for the request's first generated token
     token_id: Optional[int]
     text: str  # the new text this token completes ('' while a character is still incomplete)
-    logprob: float  # log-probability of the token under the model (temperature 1)
-    top_tokens: tuple  # ((token id, probability), ...) the model's most likely alternatives
+    # log-probability of the token under the model (temperature 1); None unless Request.logprobs
+    logprob: Optional[float]
+    top_tokens: tuple  # ((token id, probability), ...) its Request.logprobs most likely alternatives
     finish_reason: Optional[str] = None  # set on the request's last event: one of FINISH_REASONS
     error: Optional[str] = None  # with finish reason "error": what went wrong serving this request
+    # on the first event of a request with prompt_logprobs: each prompt token, scored
+    prompt_logprobs: Optional[tuple] = None
 
     @property
     def request_id(self) -> str:

@@ -58,7 +58,7 @@ class Completion:
     request: Request
     token_ids: list[int]
     text: str
-    logprobs: list[float]
+    logprobs: list[float]  # each token's log-probability, if Request.logprobs asked (else empty)
     finish_reason: str
     error: Optional[str] = None  # with finish_reason "error": what went wrong
 
@@ -87,6 +87,10 @@ class InferenceRunner:
     # The token budget of a round (vLLM's max_num_batched_tokens): prompt chunks are cut to
     # buckets no larger, and a round's prefill call holds at most this many positions.
     max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS
+    # Whether requests may ask for prompt log-probabilities (Request.prompt_logprobs): the
+    # prefill variants that score every position are compiled at start only if so (the server's
+    # echo with logprobs needs them). Off by default: it adds a compiled variant per one-row shape.
+    score_prompts: bool = False
 
     def initialize(self, warmup: bool = True) -> None:
         mesh = self.mesh or self.runner.mesh
@@ -132,10 +136,14 @@ class InferenceRunner:
         (XLA compiles without the GIL); the calls that follow find them compiled.
         """
         model, b = self.runner, self.batch_size
-        prefills = sorted(self.scheduler.prefill_shapes())
-        batches = [empty_batch(p, t, b) for p, t, _ in prefills]
-        lowered = [model.prefill_memory.variant(kv_len=kv).lower(model.params, model.state, batch)
-                   for batch, (_, _, kv) in zip(batches, prefills)]
+        # (batch, KV length, score) of every prefill call the scheduler can make; the scoring
+        # ones (prompt log-probabilities, one row a call) only if requests may ask for them
+        prefills = [(empty_batch(p, t, b), kv, False) for p, t, kv in sorted(self.scheduler.prefill_shapes())]
+        if self.score_prompts:
+            prefills += [(empty_batch(p, t, b), kv, True)
+                         for p, t, kv in sorted(self.scheduler.prefill_shapes(score=True))]
+        lowered = [model.prefill_memory.variant(kv_len=kv, score=score).lower(model.params, model.state, batch)
+                   for batch, kv, score in prefills]
         steps = sorted({1, self.decode_steps})  # one step beside a prefill (runner.scheduler)
         lowered += [model.sample_step.variant(kv_len=kv_len, steps=n).lower(model.params, model.state)
                     for kv_len in self.kv_buckets for n in steps]
@@ -148,7 +156,7 @@ class InferenceRunner:
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
             list(pool.map(lambda low: low.compile(), lowered))
         # each variant run once (padding rows and free slots only: nothing changes)
-        outs = [model.run_prefill(batch, kv) for batch, (_, _, kv) in zip(batches, prefills)]
+        outs = [model.run_prefill(batch, kv, score) for batch, kv, score in prefills]
         outs.append(model.run_fork(logits, 0, 0, one))
         outs += [model.run_decode(kv_len, n) for kv_len in self.kv_buckets for n in steps]
         jax.block_until_ready((model.state, outs))
@@ -198,6 +206,9 @@ class InferenceRunner:
             raise ValueError(f"Request.max_len: the prompt ({len(ids)} tokens) plus max_len "
                              f"({request.max_len}) is {total}, more than sequence_len "
                              f"({self.config.sequence_len})")
+        if request.prompt_logprobs is not None and not self.score_prompts:
+            raise ValueError("Request.prompt_logprobs needs a runner made with score_prompts=True (its scoring "
+                             "prefill variants are compiled at start), got a runner without")
         return ids
 
     def run(self, requests: Optional[Iterable[Request]] = None) -> "RunStream":
@@ -229,7 +240,8 @@ class InferenceRunner:
                 done = results[event.request_id]
                 if event.token_id is not None:
                     done.token_ids.append(event.token_id)
-                    done.logprobs.append(event.logprob)
+                    if event.logprob is not None:
+                        done.logprobs.append(event.logprob)
                 done.text += event.text
                 if event.finish_reason:
                     done.finish_reason, done.error = event.finish_reason, event.error

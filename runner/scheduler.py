@@ -83,6 +83,12 @@ class Sequence:
     decode_steps: int = 0  # decode steps dispatched since its last chunk (an upper bound of its tokens)
     generated: int = 0  # tokens read back and emitted
     finished: bool = False
+    scores: list = dataclasses.field(default_factory=list)  # its prompt's PromptLogprobs so far, if it asked
+
+    @property
+    def scored(self) -> bool:
+        """Its prompt is scored as it is prefilled (``Request.prompt_logprobs``)."""
+        return self.request.prompt_logprobs is not None
 
     @property
     def decoding(self) -> bool:
@@ -120,11 +126,13 @@ class Fork:
 @dataclasses.dataclass
 class RoundPlan:
     """What one round computes: prefill rows (one call, ``rows`` x ``bucket`` tokens, attending
-    over ``prefill_kv_len`` positions) and the forks of its last chunks, then ``decode`` slots
-    (one call of ``decode_steps`` steps over ``decode_kv_len`` positions)."""
+    over ``prefill_kv_len`` positions, scoring every position with ``score``) and the forks of
+    its last chunks, then ``decode`` slots (one call of ``decode_steps`` steps over
+    ``decode_kv_len`` positions)."""
 
     prefill: list[PrefillRow]
     forks: list[Fork] = dataclasses.field(default_factory=list)
+    score: bool = False
     rows: int = 0
     bucket: int = 0
     prefill_kv_len: int = 0
@@ -206,14 +214,17 @@ class Scheduler:
             length = sequence.chunks[sequence.chunks_done]
             size = smallest_at_least(self.chunk_sizes, length)
             grown = max(bucket, size)
-            if rows and (length > left or grown * smallest_at_least(self.row_buckets, len(rows) + 1) > self.budget):
+            if rows and (sequence.scored or length > left
+                         or grown * smallest_at_least(self.row_buckets, len(rows) + 1) > self.budget):
                 continue  # the oldest first; a later one that fits may join (the oldest left out leads soon)
             if sequence.slot is None:
                 self._admit(sequence)
             rows.append(PrefillRow(sequence, sequence.prefilled, length))
             left -= length
             bucket = grown
-        plan = RoundPlan(rows)
+            if sequence.scored:
+                break  # a scored chunk is a call of its own: one row, every position unembedded
+        plan = RoundPlan(rows, score=bool(rows) and rows[0].sequence.scored)
         if rows:
             plan.rows = smallest_at_least(self.row_buckets, len(rows))
             plan.bucket = bucket
@@ -237,7 +248,7 @@ class Scheduler:
     def _leader_of(self, sequence: Sequence, scheduled: list[Sequence]) -> Optional[Sequence]:
         """A request with ``sequence``'s prompt that is being prefilled (or is this round)."""
         for other in self._admitted + scheduled:
-            if other.prompt_key == sequence.prompt_key and other.ids == sequence.ids:
+            if _copies(sequence, other):
                 return other
         return None
 
@@ -247,7 +258,7 @@ class Scheduler:
         for sequence in list(self.waiting):
             if not self.slots.count(None):
                 break
-            if sequence.prompt_key == leader.prompt_key and sequence.ids == leader.ids:
+            if _copies(sequence, leader):
                 self.waiting.remove(sequence)
                 sequence.slot = self.slots.index(None)
                 self.slots[sequence.slot] = sequence
@@ -278,9 +289,12 @@ class Scheduler:
         self.slots[sequence.slot] = sequence
         self._admitted.append(sequence)
 
-    def prefill_shapes(self) -> set[tuple[int, int, int]]:
+    def prefill_shapes(self, score: bool = False) -> set[tuple[int, int, int]]:
         """Every (rows, bucket, KV length) a prefill call of ``schedule`` can have: a call's padded
-        size fits the budget (or it is one row), and its KV length covers a chunk of its bucket."""
+        size fits the budget (or it is one row), and its KV length covers a chunk of its bucket.
+        With ``score``, those of a scoring call (always one row)."""
+        if score:
+            return {shape for shape in self.prefill_shapes() if shape[0] == 1}
         shapes = set()
         for i, t in enumerate(self.chunk_sizes):
             shortest = self.chunk_sizes[i - 1] + 1 if i else 1  # the longest chunk of a call of bucket t
@@ -293,6 +307,13 @@ class Scheduler:
         return shapes
 
 
+def _copies(sequence: Sequence, leader: Sequence) -> bool:
+    """``sequence`` may copy ``leader``'s prefill: the same prompt, and the same prompt scores if
+    it asks for them (a copy shares its leader's)."""
+    return (sequence.prompt_key == leader.prompt_key and sequence.ids == leader.ids
+            and sequence.request.prompt_logprobs in (None, leader.request.prompt_logprobs))
+
+
 def prefill_row(batch: PrefillBatch, i: int, row: PrefillRow, eos_token: int) -> None:
     """Write ``row`` (a chunk of one request) as row ``i`` of the host arrays of ``batch``."""
     s = row.sequence
@@ -300,6 +321,9 @@ def prefill_row(batch: PrefillBatch, i: int, row: PrefillRow, eos_token: int) ->
     batch.lengths[i] = row.length
     batch.reset[i] = row.start == 0
     batch.last[i] = row.start + row.length == len(s.ids)
+    # position j predicts prompt token j + 1: what a scoring prefill scores (the last predicts none)
+    targets = s.ids[row.start + 1: row.start + row.length + 1]
+    batch.targets[i, : len(targets)] = targets
     request_row(batch, i, s, eos_token)
 
 
@@ -310,6 +334,7 @@ def request_row(batch: PrefillBatch, i: int, sequence: Sequence, eos_token: int)
     batch.temperature[i] = request.temperature
     batch.nucleus_p[i] = request.nucleus_p
     batch.top_k[i] = request.top_k
+    batch.logprobs[i] = -1 if request.logprobs is None else request.logprobs
     batch.seed[i] = request.rng_seed if request.rng_seed is not None else default_seed(request)
     batch.max_len[i] = request.max_len
     stop = [eos_token] + sorted(set(request.stop_token_ids) - {eos_token})
@@ -322,8 +347,9 @@ def empty_batch(rows: int, bucket: int, batch_size: int) -> PrefillBatch:
         slots=np.full((rows,), batch_size, np.int32), tokens=np.zeros((rows, bucket), np.int32),
         lengths=np.zeros((rows,), np.int32), reset=np.zeros((rows,), bool), last=np.zeros((rows,), bool),
         temperature=np.zeros((rows,), np.float32), nucleus_p=np.ones((rows,), np.float32),
-        top_k=np.zeros((rows,), np.int32), seed=np.zeros((rows,), np.uint32),
-        max_len=np.ones((rows,), np.int32), stop_ids=np.full((rows, MAX_STOP_IDS), -1, np.int32))
+        top_k=np.zeros((rows,), np.int32), logprobs=np.full((rows,), -1, np.int32), seed=np.zeros((rows,), np.uint32),
+        max_len=np.ones((rows,), np.int32), stop_ids=np.full((rows, MAX_STOP_IDS), -1, np.int32),
+        targets=np.full((rows, bucket), -1, np.int32))
 
 
 def default_seed(request: Request) -> int:

@@ -38,9 +38,12 @@ class PrefillBatch:
     temperature: jax.Array  # [P] float32
     nucleus_p: jax.Array  # [P] float32
     top_k: jax.Array  # [P] int32
+    logprobs: jax.Array  # [P] int32: alternatives its tokens report (-1: no log-probabilities)
     seed: jax.Array  # [P] uint32
     max_len: jax.Array  # [P] int32
     stop_ids: jax.Array  # [P, MAX_STOP_IDS] int32 (-1 = unused; EOS first)
+    # [P, T] int32: the prompt token after each position, which a scoring prefill scores (-1: none)
+    targets: jax.Array
 
 
 def ends(token_B, stop_ids_BS, remaining_B):
@@ -72,7 +75,8 @@ class DecodeState:
         return self.replace(
             tokens=put(self.tokens, token),
             settings=SampleSettings(temperature=put(s.temperature, batch.temperature),
-                                    nucleus_p=put(s.nucleus_p, batch.nucleus_p), top_k=put(s.top_k, batch.top_k)),
+                                    nucleus_p=put(s.nucleus_p, batch.nucleus_p), top_k=put(s.top_k, batch.top_k),
+                                    logprobs=put(s.logprobs, batch.logprobs)),
             keys=put(self.keys, keys),
             active=put(self.active, ~ends(token, batch.stop_ids, remaining)),
             remaining=put(self.remaining, remaining),

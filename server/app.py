@@ -9,7 +9,8 @@ event loop, so no handler ever blocks the loop on the device.
 What one request may cost is bounded before it costs it: the body is counted while it is read
 (413 past ``max_body_bytes``, chunked or not), a request whose choices could never be admitted is
 a 400 and one that cannot be admitted now a 503 before any prompt is tokenized, prompt scoring
-(``echo`` with ``logprobs``) has a token budget, and tokenizing, templating and building requests
+(``echo`` with ``logprobs``: computed by the engine core as part of the request's prefill,
+``Request.prompt_logprobs``) has a token budget, and tokenizing, templating and building requests
 run in worker threads (SentencePiece releases the GIL), so the event loop keeps answering other
 clients. Errors take OpenAI's shape: 400 naming the field for any bad parameter (the same checks
 as ``Request``) or malformed JSON, 401 without the API key, 404 for another model, 413, 415 for a
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import re
@@ -78,11 +80,14 @@ class _Choice:
         # per kept token: id, its text in the output (the detokenizer's delta: a character split
         # over byte pieces belongs to its last piece), log-probability, alternatives, text offset
         self.text, self.tokens, self.strs, self.logprobs, self.tops, self.offsets = "", [], [], [], [], []
+        self.prompt_logprobs = None  # its prompt's PromptLogprobs, if its request scored it
         self.finish_reason: Optional[str] = None
 
     def add(self, event, top: int) -> str:
         """The new text this event releases (stop strings applied); records its token."""
         piece = event.text
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         if self.matcher is not None:
             piece = self.matcher.feed(piece)
             if self.matcher.stopped:
@@ -127,8 +132,10 @@ class Server:
         self.runner, self.model_name, self.api_key = runner, model_name, api_key
         self._key_digest = None if api_key is None else hashlib.sha256(api_key.encode()).digest()
         self.max_waiting, self.max_body_bytes = max_waiting, max_body_bytes
-        # prompt tokens one request may have scored (echo with logprobs): a full decode batch's worth
-        self.max_scored_tokens = (runner.batch_size * runner.config.sequence_len if max_scored_tokens is None
+        # prompt tokens one request may have scored (echo with logprobs): a full decode batch's worth;
+        # none on a runner that does not score prompts (its scoring prefill is not compiled)
+        self.max_scored_tokens = (0 if not runner.score_prompts else
+                                  runner.batch_size * runner.config.sequence_len if max_scored_tokens is None
                                   else max_scored_tokens)
         self.private = private_docs_and_metrics
         self.chat_template = chat_template or ChatTemplate.for_checkpoint(
@@ -514,10 +521,13 @@ class Server:
         prompts = body.prompts()
         self._check_capacity(len(prompts) * body.n, "n" if body.n > 1 and len(prompts) == 1 else "prompt")
         max_tokens = body.max_tokens or 16
-        ids, runs = await asyncio.to_thread(self._prepare, prompts,
-                                            lambda i: body.requests(i, max_tokens, "prompt"), "prompt")
+        # echo with logprobs: each prompt token scored as part of its request's prefill
         echo_logprobs = body.echo and body.logprobs is not None
-        scores = await self._prompt_logprobs(ids, body.logprobs) if echo_logprobs else None
+        scored = body.logprobs if echo_logprobs else None
+        ids, runs = await asyncio.to_thread(
+            self._prepare, prompts, lambda i: body.requests(i, max_tokens, "prompt", body.logprobs, scored), "prompt")
+        if echo_logprobs:
+            self._check_scored(ids)
         loop = asyncio.get_running_loop()
         sinks = await asyncio.to_thread(self._submit, runs, "prompt", loop)
         prompt_tokens = sum(len(i) for i in ids)
@@ -533,6 +543,18 @@ class Server:
             return {"tokens": choice.strs[start_token:], "token_logprobs": choice.logprobs[start_token:],
                     "top_logprobs": [{self._token_text(t): lp for t, lp in top_} for top_ in choice.tops[start_token:]],
                     "text_offset": [start_text + o for o in choice.offsets[start_token:]]}
+
+        def with_prompt(choice, lp):
+            """``lp`` (the generated tokens' logprobs, offsets past the echoed prompt) after the
+            prompt's own: its tokens, each one's log-probability given those before it (the first
+            has none) and its alternatives."""
+            entries = choice.prompt_logprobs or ()
+            texts = [self._token_text(e.token_id) for e in entries]
+            offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=0)) if texts else []
+            tops = [None if e.logprob is None else
+                    {self._token_text(t): float(np.log(max(p, 1e-45))) for t, p in e.top_tokens} for e in entries]
+            return {"tokens": texts + lp["tokens"], "token_logprobs": [e.logprob for e in entries] + lp["token_logprobs"],
+                    "top_logprobs": tops + lp["top_logprobs"], "text_offset": offsets + lp["text_offset"]}
 
         def echoed(choice):
             p = choice.index // body.n
@@ -550,9 +572,11 @@ class Server:
                 start = sent.get(choice.index, 0)
                 sent[choice.index] = len(choice.tokens)
                 text = (echoed(choice) if first else "") + piece
+                lp = logprobs_of(choice, start, len(echoed(choice)))
+                if first and echo_logprobs:
+                    lp = with_prompt(choice, lp)
                 return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                        "choices": [{"index": choice.index, "text": text,
-                                     "logprobs": logprobs_of(choice, start, 0),
+                        "choices": [{"index": choice.index, "text": text, "logprobs": lp,
                                      "finish_reason": choice.finish_reason}]}
 
             final = (lambda: {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -564,52 +588,21 @@ class Server:
         for c in choices:
             lp = logprobs_of(c, 0, len(echoed(c)))
             if echo_logprobs:
-                p_ids, p_scores, p_tops = scores[c.index // body.n]
-                offsets, at = [], 0
-                for t in p_ids:
-                    offsets.append(at)
-                    at += len(self._token_text(t))
-                lp = {"tokens": [self._token_text(t) for t in p_ids] + lp["tokens"],
-                      "token_logprobs": p_scores + lp["token_logprobs"],
-                      "top_logprobs": p_tops + lp["top_logprobs"],
-                      "text_offset": offsets + lp["text_offset"]}
+                lp = with_prompt(c, lp)
             out.append({"index": c.index, "text": echoed(c) + c.text, "logprobs": lp,
                         "finish_reason": c.finish_reason})
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": out, "usage": usage()}
 
-    async def _prompt_logprobs(self, prompts: list[list[int]], top: int) -> list:
-        """Each prompt token's log-probability given the tokens before it (the first has none),
-        and its top alternatives: one scoring forward a prompt, padded to a prompt bucket, in a
-        worker thread; at most ``max_scored_tokens`` prompt tokens a request."""
-        runner = self.runner
+    def _check_scored(self, prompts: list[list[int]]) -> None:
+        """Echo with logprobs scores at most ``max_scored_tokens`` prompt tokens a request."""
         total = sum(len(i) for i in prompts)
+        if self.max_scored_tokens == 0:
+            raise APIError(400, "echo: this server does not score prompts (started with --max-scored-tokens 0): "
+                           "echo with logprobs is off", "echo")
         if total > self.max_scored_tokens:
             raise APIError(400, f"echo: with logprobs, a request may have at most {self.max_scored_tokens} prompt "
                            f"tokens scored (--max-scored-tokens), got {total}", "echo")
-        for ids in prompts:
-            if runner.bucket_for(len(ids)) < len(ids):
-                raise APIError(400, f"prompt: echo with logprobs scores prompts of up to "
-                               f"{runner.bucket_for(len(ids))} tokens, got {len(ids)}", "prompt")
-
-        def score(ids):
-            tokens = np.zeros((1, runner.bucket_for(len(ids))), np.int32)
-            tokens[0, : len(ids)] = ids
-            logits = runner.logits(tokens, np.array([len(ids)], np.int32))
-            logits = logits[0, : len(ids) - 1].astype(np.float64)  # position i predicts token i + 1
-            logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-            chosen = logp[np.arange(len(ids) - 1), ids[1:]]
-            tops = [None]
-            if top:
-                best = np.argpartition(-logp, top - 1, axis=-1)[:, :top]
-                for row, candidates in zip(logp, best):
-                    ranked = candidates[np.argsort(-row[candidates], kind="stable")]
-                    tops.append({self._token_text(t): float(row[t]) for t in ranked})
-            else:
-                tops += [{} for _ in range(len(ids) - 1)]
-            return ids, [None] + chosen.tolist(), tops
-
-        return await asyncio.to_thread(lambda: [score(ids) for ids in prompts])
 
     # ---- chat ----------------------------------------------------------------------------------------
     async def _chat(self, body: ChatCompletionRequest, http: HTTPRequest, arrived: float):
@@ -620,7 +613,7 @@ class Server:
         def make_runs(ids):
             max_tokens = body.max_completion_tokens or body.max_tokens or max(
                 1, self.runner.config.sequence_len - len(ids))
-            return body.requests(ids, max_tokens, "messages")
+            return body.requests(ids, max_tokens, "messages", (body.top_logprobs or 0) if body.logprobs else None)
 
         (ids,), runs = await asyncio.to_thread(self._prepare, [prompt], make_runs, "messages")
         sinks = await asyncio.to_thread(self._submit, runs, "messages", asyncio.get_running_loop())

@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from runner import Request
+from runner.requests import MAX_LOGPROBS  # one limit for the API and the runner
 
 
 class APIError(Exception):
@@ -33,8 +34,7 @@ class APIError(Exception):
 # Request's field -> the API's name for it
 _API_NAMES = {"prompt": "prompt", "temperature": "temperature", "nucleus_p": "top_p", "rng_seed": "seed",
               "max_len": "max_tokens", "top_k": "top_k", "stop_token_ids": "stop_token_ids",
-              "request_id": "request_id"}
-MAX_LOGPROBS = 20
+              "request_id": "request_id", "logprobs": "logprobs", "prompt_logprobs": "logprobs"}
 MAX_STOPS = 4
 
 
@@ -93,15 +93,19 @@ class _Body(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
-    def requests(self, prompt, max_tokens: int, prompt_field: str) -> list[Request]:
-        """The ``n`` runner requests of one prompt (text or ids): choice i takes seed + i."""
+    def requests(self, prompt, max_tokens: int, prompt_field: str, logprobs: Optional[int] = None,
+                 prompt_logprobs: Optional[int] = None) -> list[Request]:
+        """The ``n`` runner requests of one prompt (text or ids): choice i takes seed + i. Each
+        computes ``logprobs`` alternatives per token (None: no log-probabilities) and scores the
+        prompt with ``prompt_logprobs`` (the copies of a prompt share one prefill, and its scores)."""
         out = []
         for i in range(self.n):
             seed = None if self.seed is None else self.seed + i
             try:
                 out.append(Request(prompt, temperature=self.temperature, nucleus_p=self.top_p,
                                    top_k=0 if self.top_k == -1 else self.top_k, rng_seed=seed,
-                                   max_len=max_tokens, stop_token_ids=self.stop_token_ids or ()))
+                                   max_len=max_tokens, stop_token_ids=self.stop_token_ids or (),
+                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs))
             except ValueError as e:
                 raise bad_request(e, prompt_field) from None
         return out

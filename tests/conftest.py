@@ -52,3 +52,19 @@ def test_tokenizer(tmp_path_factory):
         model_type="bpe", byte_fallback=True, pad_id=0, bos_id=1, eos_id=2, unk_id=3,
         character_coverage=1.0, minloglevel=2)
     return str(directory / "sp.model")
+
+
+@pytest.fixture(scope="session")
+def shipped_runner():
+    """The shipped default model (checkpoints/austen-moe) as ``run.py`` loads it for one prompt
+    (one slot, the default buckets, one CPU device, the backend it chooses): shared by the tests
+    that generate from it, and its compiled variants are ``run.py``'s own."""
+    from runner import InferenceRunner, ModelRunner
+    from runner.runner import default_checkpoint
+
+    checkpoint = default_checkpoint()
+    if checkpoint is None:
+        pytest.fail("the shipped model checkpoints/austen-moe is missing")
+    runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint))
+    runner.initialize()
+    return runner

@@ -258,11 +258,11 @@ def test_a_request_failing_at_admission_ends_alone(runner, monkeypatch):
 @pytest.fixture(scope="module")
 def tight(params):  # noqa: F811
     """A runner whose round budget (24 tokens) cuts prompts into chunks of 8 and 16 and makes every
-    round that admits a prompt also decode the running requests."""
+    round that admits a prompt also decode the running requests; it scores prompts."""
     from runner import InferenceRunner, ModelRunner
 
     r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=4, pad_sizes=(8, 16, 32),
-                        max_num_batched_tokens=24)
+                        max_num_batched_tokens=24, score_prompts=True)
     r.initialize()
     return r
 
@@ -349,3 +349,68 @@ def test_a_prompt_shared_by_several_requests_is_prefilled_once(runner, plans):
     seen = plans(runner)
     assert [c.token_ids for c in runner.generate(requests)] == want
     assert sum(len(p.prefill) for p in seen) == 1 and sum(len(p.forks) for p in seen) == 3
+
+
+# ---- log-probabilities: computed when asked, prompt scores as part of the prefill -------------------
+def log_softmax_of(runner, ids):
+    """Each position's log-probabilities ``[len(ids), V]`` from one full forward, without a cache."""
+    tokens = np.zeros((1, 64), np.int32)
+    tokens[0, : len(ids)] = ids
+    logits = runner.logits(tokens, np.array([len(ids)], np.int32))[0, : len(ids)].astype(np.float64)
+    return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+
+
+def test_prompt_logprobs_come_from_the_chunked_prefill_and_equal_a_full_forward(tight, plans):
+    from runner.compile_count import compilations
+
+    prompt = prompt_ids(880, 50)  # chunks 16 + 16 + 16 + 2, each its own scoring call
+    plain = Request(prompt, temperature=0.0, max_len=6)
+    scored = Request(prompt, temperature=0.0, max_len=6, logprobs=3, prompt_logprobs=4)
+    want = solo(tight, plain)
+    seen = plans(tight)
+    compilations()
+    before = compilations()
+    events = list(tight.run([scored]))
+    assert compilations() == before, "scoring compiled while serving"
+    assert tokens(events) == want
+    scoring = [p for p in seen if p.score]
+    assert len(scoring) == 4 and all(len(p.prefill) == 1 for p in scoring)
+    logp = log_softmax_of(tight, prompt + want)
+    first = events[0].prompt_logprobs
+    assert [e.token_id for e in first] == prompt and first[0].logprob is None and first[0].top_tokens == ()
+    assert all(e.prompt_logprobs is None for e in events[1:])
+    for i, e in enumerate(first[1:], start=1):  # token i given the tokens before it
+        np.testing.assert_allclose(e.logprob, logp[i - 1, prompt[i]], atol=2e-4)
+        ids = [t for t, _ in e.top_tokens]
+        assert len(ids) == 4 and ids == list(np.argsort(-logp[i - 1], kind="stable")[:4])
+        np.testing.assert_allclose([p for _, p in e.top_tokens], np.exp(logp[i - 1, ids]), rtol=2e-4, atol=1e-6)
+    for k, e in enumerate(events):  # the generated tokens' own log-probabilities, 3 alternatives
+        at = len(prompt) - 1 + k
+        np.testing.assert_allclose(e.logprob, logp[at, e.token_id], atol=2e-4)
+        assert [t for t, _ in e.top_tokens] == list(np.argsort(-logp[at], kind="stable")[:3])
+
+
+def test_logprobs_are_reported_only_when_asked(tight, runner):
+    events = list(tight.run([Request(prompt_ids(881, 5), temperature=0.7, rng_seed=3, max_len=4)]))
+    assert all(e.logprob is None and e.top_tokens == () and e.prompt_logprobs is None for e in events)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        Request([1, 2], prompt_logprobs=21)
+    with pytest.raises(ValueError, match="score_prompts=True"):  # its scoring variants were not compiled
+        runner.prepare(Request([1, 2], max_len=4, prompt_logprobs=1))
+
+
+def test_copies_of_a_scored_prompt_share_its_scores_and_prefill(tight, plans):
+    prompt = prompt_ids(882, 20)
+    requests = [Request(prompt, temperature=0.9, rng_seed=s, max_len=4, prompt_logprobs=2) for s in range(3)]
+    requests.append(Request(prompt, temperature=0.0, max_len=4))  # no scores: it may copy a scored prefill
+    want = [solo(tight, dataclasses.replace(r, prompt_logprobs=None)) for r in requests]
+    seen = plans(tight)
+    stream = tight.run(requests)
+    events = {}
+    for e in stream:
+        events.setdefault(e.request_id, []).append(e)
+    assert [tokens(events[r.request_id]) for r in requests] == want
+    prefilled = {row.sequence.request.request_id for p in seen for row in p.prefill}
+    assert len(prefilled) == 1 and sum(len(p.forks) for p in seen) == 3
+    scores = [events[r.request_id][0].prompt_logprobs for r in requests]
+    assert scores[0] == scores[1] == scores[2] and len(scores[0]) == 20 and scores[3] is None

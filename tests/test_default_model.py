@@ -41,17 +41,8 @@ def test_size_is_within_25_mb():
     assert total <= 25 * 2**20
 
 
-@pytest.fixture(scope="module")
-def default_runner():
-    from runner import InferenceRunner, ModelRunner
-
-    runner = InferenceRunner(runner=ModelRunner(checkpoint_path=str(DEFAULT)), batch_size=1)
-    runner.initialize()
-    return runner
-
-
-def test_greedy_generation_is_not_degenerate(default_runner):
-    done = default_runner.generate(["It is a truth universally acknowledged, that"], temperature=0.0,
+def test_greedy_generation_is_not_degenerate(shipped_runner):
+    done = shipped_runner.generate(["It is a truth universally acknowledged, that"], temperature=0.0,
                                    max_len=40)[0]
     assert len(set(done.token_ids)) >= 10  # not one token repeated
     words = done.text.split()

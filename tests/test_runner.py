@@ -237,7 +237,7 @@ def test_the_four_functions_are_usable_on_their_own(runner, params):
     batch.slots[0], batch.tokens[0], batch.lengths[0] = 2, tokens[0], 8
     batch.reset[0] = batch.last[0] = True
     batch.temperature[0], batch.max_len[0], batch.stop_ids[0, 0] = 0, 3, CONFIG.eos_token
-    state, first, _ = engine.prefill_memory(engine.params, state, batch, kv_len=64)
+    state, first, _, _ = engine.prefill_memory(engine.params, state, batch, kv_len=64, score=False)
     assert int(first.sample.token_id[0, 0]) == int(np.asarray(logits)[0, -1].argmax())
     assert np.asarray(first.valid).tolist() == [[True, False]]
     state, out = engine.sample_step(engine.params, state, kv_len=64, steps=4)

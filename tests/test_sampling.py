@@ -13,9 +13,10 @@ ON_KERNELS = CPU(on=frozenset({"sampling_cut", "logits_summary"}))
 CUTS = [XLA(), pytest.param(ON_KERNELS, marks=pytest.mark.skipif(not build.available(), reason="no sampling kernel"))]
 
 
-def settings(b, temperature=1.0, nucleus_p=1.0, top_k=0):
+def settings(b, temperature=1.0, nucleus_p=1.0, top_k=0, logprobs=0):
     return SampleSettings(temperature=jnp.full((b,), temperature, jnp.float32),
-                          nucleus_p=jnp.full((b,), nucleus_p, jnp.float32), top_k=jnp.full((b,), top_k, jnp.int32))
+                          nucleus_p=jnp.full((b,), nucleus_p, jnp.float32), top_k=jnp.full((b,), top_k, jnp.int32),
+                          logprobs=jnp.full((b,), logprobs, jnp.int32))
 
 
 def keys(b, seed=0):
@@ -189,3 +190,16 @@ def test_sample_token_on_the_kernels_reports_what_xla_does():
     np.testing.assert_array_equal(kern.top_k_token_ids, xla.top_k_token_ids)
     np.testing.assert_allclose(kern.logprob, xla.logprob, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(kern.top_k_probs, xla.top_k_probs, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_call_without_logprobs_draws_the_same_tokens_and_reports_nothing(temperature):
+    """No row asks for log-probabilities: the summary (normaliser, top tokens) is skipped, and
+    the tokens are those of a call that computes it."""
+    logits = jax.random.normal(jax.random.PRNGKey(3), (6, 300)) * 3
+    asked = sample_token(logits, settings(6, temperature=temperature, top_k=40), keys(6, 1))
+    bare = sample_token(logits, settings(6, temperature=temperature, top_k=40, logprobs=-1), keys(6, 1))
+    np.testing.assert_array_equal(np.asarray(bare.token_id), np.asarray(asked.token_id))
+    assert not np.asarray(bare.top_k_probs).any() and np.asarray(asked.top_k_probs).all()
+    want = jax.nn.log_softmax(logits)[jnp.arange(6), asked.token_id]
+    np.testing.assert_allclose(np.asarray(asked.logprob), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -53,7 +53,8 @@ class LiveServer:
 
 def _runner(params, tokenizer, batch_size=4):
     r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=batch_size,
-                        pad_sizes=(8, 16, 32), tokenizer_path=tokenizer, max_num_batched_tokens=32)
+                        pad_sizes=(8, 16, 32), tokenizer_path=tokenizer, max_num_batched_tokens=32,
+                        score_prompts=True)
     r.initialize()
     return r
 
@@ -145,11 +146,36 @@ def test_logprobs_and_echo(served, client):
     e = echo.choices[0]
     assert e.text.startswith("the house") and e.logprobs.token_logprobs[0] is None
     assert len(e.logprobs.tokens) == n_prompt + 3 and all(v <= 0 for v in e.logprobs.token_logprobs[1:])
+    # the prompt scored by its prefill: shared by every choice, and first in a stream
+    two = client.completions.create(model=MODEL, prompt="the house", max_tokens=3, temperature=0.7, seed=5, n=2,
+                                    logprobs=2, echo=True)
+    for c in two.choices:
+        assert c.logprobs.token_logprobs[:n_prompt] == pytest.approx(e.logprobs.token_logprobs[:n_prompt], abs=1e-6)
+        assert c.logprobs.tokens[:n_prompt] == e.logprobs.tokens[:n_prompt]
+    chunks = list(client.completions.create(model=MODEL, prompt="the house", max_tokens=3, temperature=0,
+                                            logprobs=2, echo=True, stream=True))
+    streamed = [lp for ch in chunks if ch.choices and (lp := ch.choices[0].logprobs) is not None]
+    assert sum((lp.tokens for lp in streamed), []) == e.logprobs.tokens
+    assert sum((lp.text_offset for lp in streamed), []) == e.logprobs.text_offset
+    assert sum((lp.token_logprobs for lp in streamed), [])[1:] == pytest.approx(e.logprobs.token_logprobs[1:],
+                                                                                abs=1e-6)
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0, logprobs=True, top_logprobs=5)
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 5 for c in content)
     assert "".join(c.token for c in content) == chat.choices[0].message.content
+
+
+def test_a_prompt_is_tokenized_once(served, client, monkeypatch):
+    """Text in: one ``encode`` for a completion's prompt (with n, echo and logprobs), one for a
+    chat's rendered messages; the runner and the core take the ids from there."""
+    tokenizer = served[0].tokenizer
+    calls, encode = [], tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text: calls.append(text) or encode(text))
+    client.completions.create(model=MODEL, prompt="the house", max_tokens=2, n=2, logprobs=1, echo=True)
+    assert calls == ["the house"]
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert len(calls) == 2
 
 
 def test_stop_strings_cut_the_text_across_tokens(served, client):
@@ -485,14 +511,8 @@ def test_shutdown_ends_requests_in_flight_with_an_error(one_slot):
         _wait(one_slot.core.idle, "the ended requests still run")
 
 
-def test_the_shipped_model_served_end_to_end():
-    from runner.runner import default_checkpoint
-
-    checkpoint = default_checkpoint()
-    if checkpoint is None:
-        pytest.skip("the shipped model is missing")
-    runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint), batch_size=2, pad_sizes=(16, 64))
-    runner.initialize()
+def test_the_shipped_model_served_end_to_end(shipped_runner):
+    runner = shipped_runner
     live = LiveServer(Server(runner, "austen-moe"))
     try:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
@@ -517,7 +537,8 @@ def multihost_runner(tokenizer):
     from tests.helpers import lively
 
     params = jax.tree_util.tree_map(np.asarray, lively(init_params(MULTIHOST, jax.random.PRNGKey(5))))
-    runner = InferenceRunner(runner=ModelRunner(model=MULTIHOST, params=params), batch_size=4, pad_sizes=(8, 16),
+    # one bucket under a 16-token budget: one prefill variant to compile (each process compiles its own)
+    runner = InferenceRunner(runner=ModelRunner(model=MULTIHOST, params=params), batch_size=4, pad_sizes=(16,),
                              mesh=make_mesh((2, 4)), tokenizer_path=tokenizer, max_num_batched_tokens=16)
     runner.initialize()
     return runner
@@ -528,11 +549,6 @@ def test_two_processes_behind_one_server(test_tokenizer):
     runs the same steps. Answers equal one process's own (8 devices, the same mesh)."""
     from tests.test_sharding import REPO, free_port
 
-    single = multihost_runner(test_tokenizer)
-    asks = [("the house", dict(temperature=0.0)), ("a letter from her sister", dict(temperature=0.0)),
-            ("the ball", dict(temperature=0.9, top_p=0.9, seed=4))]
-    want = [single.complete(Request(p, temperature=s["temperature"], nucleus_p=s.get("top_p", 1.0),
-                                    rng_seed=s.get("seed"), max_len=8)).text for p, s in asks]
     port, http_port = str(free_port()), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     worker = str(REPO / "tests" / "multihost_server_worker.py")
@@ -541,6 +557,11 @@ def test_two_processes_behind_one_server(test_tokenizer):
              for i in range(2)]
     url = f"http://127.0.0.1:{http_port}"
     try:
+        single = multihost_runner(test_tokenizer)  # while the two processes start
+        asks = [("the house", dict(temperature=0.0)), ("a letter from her sister", dict(temperature=0.0)),
+                ("the ball", dict(temperature=0.9, top_p=0.9, seed=4))]
+        want = [single.complete(Request(p, temperature=s["temperature"], nucleus_p=s.get("top_p", 1.0),
+                                        rng_seed=s.get("seed"), max_len=8)).text for p, s in asks]
         deadline = time.time() + 240
         while True:
             try:
