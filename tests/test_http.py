@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -23,6 +24,8 @@ KEY = "abuse-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 READ_TIMEOUT = 1.5
 FILE_LIMIT = 256  # the soft limit the server starts with; it raises it to the hard limit
+# one compilation cache for this module's servers: the second one starts without compiling
+COMPILE_CACHE = tempfile.mkdtemp(prefix="grok-runner-serve-xla-")
 
 
 class ServeProcess:
@@ -39,7 +42,8 @@ class ServeProcess:
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs it
         self.proc = subprocess.Popen(  # bash lowers the soft file limit, then becomes the server
             ["bash", "-c", f'ulimit -Sn {FILE_LIMIT} && exec "$0" "$@"', sys.executable, str(REPO / "run.py"), "serve", "--checkpoint", checkpoint, "--port", str(self.port),
-             "--batch-size", "2", "--max-waiting", "4", "--api-key", KEY, *flags],
+             "--batch-size", "2", "--max-waiting", "4", "--api-key", KEY, "--compile-cache", COMPILE_CACHE,
+             "--max-scored-tokens", "0", *flags],  # echo is refused by its size, scored or not
             cwd=str(REPO), env=env, stdout=self.log_file, stderr=subprocess.STDOUT)
         deadline = time.time() + 300
         while True:

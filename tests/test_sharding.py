@@ -28,8 +28,9 @@ from tests.test_quant import quantize_params
 # every sharded dimension divisible by 8: emb 64, 8 KV heads, ffn 88, 4 experts
 SHARD = dataclasses.replace(TINY, vocab_size=512, emb_size=64, num_q_heads=8, num_kv_heads=8, key_size=8,
                             sequence_len=48)
-# (2, 4) shards both axes; the other two shapes of the same devices run with -m slow
-MESHES = [(1, 1), (1, 8), (2, 4), pytest.param((4, 2), marks=pytest.mark.slow),
+# (2, 4) shards both axes; the other shapes of the same devices run with -m slow (the scale-group
+# test below runs the forward on (1, 8) in the default run)
+MESHES = [(1, 1), (2, 4), pytest.param((1, 8), marks=pytest.mark.slow), pytest.param((4, 2), marks=pytest.mark.slow),
           pytest.param((8, 1), marks=pytest.mark.slow)]
 PROMPTS = [[5, 9, 200, 17, 3, 44], [77] * 11, list(range(30, 50)), [400, 401]]
 # a round of at most 16 tokens: prefill calls of 1 or 2 rows of 8, or one of 16 (few variants to
@@ -191,20 +192,25 @@ def test_expert_parallelism_matches(shard_params, plain_params, single_device):
     assert generate(runner) == want_tokens
 
 
-@pytest.mark.parametrize("groups", [1, 2, 8])
-def test_scale_groups_work_on_any_model_axis(plain_params, groups):
+# each group count on a model axis that divides it and on one that does not (all 12 pairs: -m slow)
+SCALE_GROUP_CASES = [(1, (1, 8)), (2, (1, 2)), (2, (1, 4)), (8, (2, 4)), (8, (1, 8))]
+SCALE_GROUP_CASES += [pytest.param(g, shape, marks=pytest.mark.slow) for g in (1, 2, 8)
+                      for shape in [(1, 2), (1, 4), (2, 4), (1, 8)] if (g, shape) not in SCALE_GROUP_CASES]
+
+
+@pytest.mark.parametrize("groups,shape", SCALE_GROUP_CASES)
+def test_scale_groups_work_on_any_model_axis(plain_params, groups, shape):
     qparams = quantize_params(plain_params, groups=groups)
     tokens = np.array([PROMPTS[2]], np.int32)
     want = np.asarray(forward(qparams, tokens, SHARD).logits)
-    for shape in [(1, 2), (1, 4), (2, 4), (1, 8)]:
-        mesh = make_mesh(shape, jax.devices()[: shape[0] * shape[1]])
-        engine = ModelRunner(model=SHARD, params=qparams, backend="xla")  # stacked, as stored
-        engine.initialize(mesh, batch_size=8)
-        down = engine.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
-        expected_g = "model" if groups % shape[1] == 0 else None  # G sharded where the mesh divides it
-        assert down.scales.sharding.spec[1] == expected_g
-        got = np.asarray(engine.forward(engine.params, tokens, np.array([tokens.shape[1]])))
-        assert_close_fp32(got, want)
+    mesh = make_mesh(shape, jax.devices()[: shape[0] * shape[1]])
+    engine = ModelRunner(model=SHARD, params=qparams, backend="xla")  # stacked, as stored
+    engine.initialize(mesh, batch_size=8)
+    down = engine.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
+    expected_g = "model" if groups % shape[1] == 0 else None  # G sharded where the mesh divides it
+    assert down.scales.sharding.spec[1] == expected_g
+    got = np.asarray(engine.forward(engine.params, tokens, np.array([tokens.shape[1]])))
+    assert_close_fp32(got, want)
 
 
 def test_kv_memory_is_never_resharded_inside_a_step(shard_params):
