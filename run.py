@@ -63,8 +63,8 @@ def parse_args(argv):
                    help="random seed; the same seed gives the same text (default 0); prompt i gets seed + i")
     p.add_argument("--batch-size", type=bounded(int, 1, 1 << 16, "an integer >= 1"), default=None,
                    help="decode slots (default: 1 per device)")
-    p.add_argument("--pad-sizes", help="comma-separated prompt buckets (default: powers of four from 16, and "
-                   "sequence_len)")
+    p.add_argument("--pad-sizes", help="comma-separated prompt buckets (default: powers of two from 16 up to the "
+                   "round's token budget, 512, or sequence_len if shorter)")
     p.add_argument("--mesh", default=None, help="device mesh DATA,MODEL (default 1,1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation dtype "
                    "(default: the checkpoint's; float32 is used on CPU, where bf16 matmuls are slow)")
@@ -189,6 +189,9 @@ def serve(argv) -> int:
     p.add_argument("--max-body-bytes", type=bounded(int, 1, None, "an integer >= 1"), default=4 << 20,
                    help="largest request body, counted as it arrives (chunked or not); beyond, 413 "
                    "(default 4194304)")
+    p.add_argument("--decode-steps", type=bounded(int, 1, 64, "an integer in [1, 64]"), default=2,
+                   help="decode steps per device call in a round without prompt work (default 2): more "
+                   "amortise the host's work per call, fewer let a new request in sooner")
     p.add_argument("--max-scored-tokens", type=bounded(int, 0, None, "an integer >= 0"), default=None,
                    help="prompt tokens one request may have scored (echo with logprobs), computed as part "
                    "of its prefill; default: --batch-size x the model's sequence_len; 0: echo with logprobs "
@@ -205,8 +208,9 @@ def serve(argv) -> int:
     p.add_argument("--private-docs-and-metrics", action="store_true",
                    help="with --api-key, require the key for /metrics, /docs, /redoc and /openapi.json too "
                    "(only /health stays public)")
-    p.add_argument("--pad-sizes", help="comma-separated prompt buckets, each compiled at start (default: powers "
-                   "of four from 16, and sequence_len)")
+    p.add_argument("--pad-sizes", help="comma-separated prompt buckets, each compiled at start; prompts are cut into "
+                   "chunks of those no larger than --max-num-batched-tokens (default: powers of two from 16 up "
+                   "to that budget, or sequence_len if shorter)")
     p.add_argument("--max-num-batched-tokens", type=bounded(int, 1, INT32_MAX, "an integer >= 1"),
                    help="tokens a round may compute: prompt chunks (cut to buckets no larger) plus one per "
                    "decoding request; admitting a long prompt holds running streams for one such round "
@@ -254,7 +258,7 @@ def serve(argv) -> int:
                                                     backend=args.backend),
                                  tokenizer_path=args.tokenizer, batch_size=args.batch_size,
                                  local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
-                                 score_prompts=args.max_scored_tokens != 0,
+                                 score_prompts=args.max_scored_tokens != 0, decode_steps=args.decode_steps,
                                  **({} if args.max_num_batched_tokens is None
                                     else {"max_num_batched_tokens": args.max_num_batched_tokens}))
         runner.initialize()

@@ -218,6 +218,15 @@ class EngineCore:
     def _round(self) -> None:
         self._apply_commands()
         ready, self._pending = self._pending, []
+        if self.scheduler.free_slots():
+            # A slot is free, so a request arriving now could start at once: read the calls in
+            # flight first, and plan this round after them. With every slot taken nothing new can
+            # start, and this round is dispatched before they are read, so the device never waits
+            # for the host (measured at 1 request/s: TTFT p50 297 -> 235 ms; BENCHMARKS.md).
+            if not self._read_all(ready):
+                return
+            ready = []
+            self._apply_commands()
         try:
             plan = self.scheduler.schedule()
             if plan.prefill:
@@ -228,18 +237,24 @@ class EngineCore:
         except Exception as e:  # a device call failed: its outputs, and the state, are lost
             self._fail_all(f"{type(e).__name__}: {e}")
             return
-        # The previous round's outputs, read once this round's calls are queued behind them, one
-        # call at a time: a prefill's first tokens go out when it ends, not after the decode call
-        # that follows it.
+        # The previous round's outputs (when every slot is taken), read once this round's calls
+        # are queued behind them.
+        self._read_all(ready)
+
+    def _read_all(self, ready) -> bool:
+        """Read ``ready`` (dispatched calls' outputs) one call at a time, so a prefill's first
+        tokens go out when it ends, not after the decode call that follows it. False if a device
+        call failed (every request it served has ended)."""
         for out, columns, scoring in ready:
             try:
                 out, scoring = jax.device_get((out, scoring))
             except Exception as e:
                 self._fail_all(f"{type(e).__name__}: {e}")
-                return
+                return False
             if scoring is not None:
                 self._read_scores(*scoring, columns)
             self._read(out, columns)
+        return True
 
     def _dispatch_prefill(self, plan: RoundPlan) -> None:
         """The plan's prefill call, then its forks. A request whose row cannot be made (its

@@ -38,19 +38,26 @@ from runner.tokenizer import Tokenizer
 DEFAULT_BATCHED_TOKENS = 512
 
 
-def default_pad_sizes(sequence_len: int, smallest: int = 16) -> tuple[int, ...]:
-    """Powers of four from ``smallest`` up to ``sequence_len`` (itself included): a prompt is padded
-    by at most 4x, and there are few buckets to compile at start-up."""
+def default_pad_sizes(sequence_len: int, budget: int = DEFAULT_BATCHED_TOKENS, smallest: int = 16) -> tuple[int, ...]:
+    """Prompt buckets: powers of two from ``smallest`` up to the round's token budget (or
+    ``sequence_len`` if shorter), which is the largest chunk a prompt is cut into. With the
+    chunking (``runner.scheduler.chunk_lengths``) no prompt pads by more than an eighth of its
+    length or 64 positions: a 128-token prompt is one call of 128, a 1,056-token one 512 + 512 + 32."""
+    top = min(budget, sequence_len)
     sizes, size = [], smallest
+    while size < top:
+        sizes.append(size)
+        size *= 2
+    return tuple(sizes) + (top,)
+
+
+def default_kv_buckets(sequence_len: int) -> tuple[int, ...]:
+    """KV lengths a call may attend over: powers of four from 64, and ``sequence_len``."""
+    sizes, size = [], min(64, sequence_len)
     while size < sequence_len:
         sizes.append(size)
         size *= 4
     return tuple(sizes) + (sequence_len,)
-
-
-def default_kv_buckets(sequence_len: int) -> tuple[int, ...]:
-    """KV lengths a decode step may attend over: powers of four from 64, and ``sequence_len``."""
-    return default_pad_sizes(sequence_len, smallest=min(64, sequence_len))
 
 
 @dataclasses.dataclass
@@ -81,9 +88,10 @@ class InferenceRunner:
     pad_sizes: Optional[Sequence[int]] = None
     batch_size: Optional[int] = None
     mesh: Optional[jax.sharding.Mesh] = None
-    # Decode steps per device call: more amortises host dispatch, fewer streams tokens sooner
-    # and lets a waiting request into a freed slot sooner.
-    decode_steps: int = 4
+    # Decode steps per device call: more amortise the host's work per call, fewer stream tokens
+    # sooner and let a new request in sooner (2: measured at 1 request/s on the bench config,
+    # TTFT p50 429 -> 297 ms against 4, TPOT 42 -> 40 ms; BENCHMARKS.md).
+    decode_steps: int = 2
     # The token budget of a round (vLLM's max_num_batched_tokens): prompt chunks are cut to
     # buckets no larger, and a round's prefill call holds at most this many positions.
     max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS
@@ -101,6 +109,9 @@ class InferenceRunner:
         self.runner.initialize(mesh, self.batch_size)
         self.mesh, self.config = self.runner.mesh, self.runner.model
         self.batch_size = self.runner.batch_size
+        budget = self.max_num_batched_tokens
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+            raise ValueError(f"max_num_batched_tokens must be a positive integer, got {budget!r}")
         self.pad_sizes = self._check_pad_sizes(self.pad_sizes)
         self.kv_buckets = default_kv_buckets(self.config.sequence_len)
         if not isinstance(self.decode_steps, int) or self.decode_steps <= 0:
@@ -110,9 +121,6 @@ class InferenceRunner:
         if self.tokenizer is not None and self.tokenizer.vocab_size != self.config.vocab_size:
             raise ValueError(f"tokenizer {path} has {self.tokenizer.vocab_size} pieces but the model's "
                              f"vocab_size is {self.config.vocab_size}")
-        budget = self.max_num_batched_tokens
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
-            raise ValueError(f"max_num_batched_tokens must be a positive integer, got {budget!r}")
         self.scheduler = Scheduler(self.batch_size, self.pad_sizes, self.kv_buckets, self.config.sequence_len,
                                    budget, self.decode_steps, self.config.eos_token)
         self.core = EngineCore(self.runner, self.scheduler, self.prepare, self.tokenizer)
@@ -122,7 +130,7 @@ class InferenceRunner:
     def _check_pad_sizes(self, pad_sizes) -> tuple[int, ...]:
         s = self.config.sequence_len
         if pad_sizes is None:
-            return default_pad_sizes(s)
+            return default_pad_sizes(s, self.max_num_batched_tokens)
         sizes = tuple(pad_sizes)
         if not sizes or any(not isinstance(p, (int, np.integer)) or isinstance(p, bool) or not 0 < p <= s
                             for p in sizes):

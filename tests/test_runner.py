@@ -259,8 +259,9 @@ def test_pad_sizes_and_batch_validation(params):
 def test_default_pad_sizes():
     from runner import default_pad_sizes
 
-    assert default_pad_sizes(64) == (16, 64)
-    assert default_pad_sizes(8192) == (16, 64, 256, 1024, 4096, 8192) and default_pad_sizes(100) == (16, 64, 100)
+    assert default_pad_sizes(64) == (16, 32, 64) and default_pad_sizes(100) == (16, 32, 64, 100)
+    assert default_pad_sizes(8192) == (16, 32, 64, 128, 256, 512)  # up to the budget: the largest chunk
+    assert default_pad_sizes(8192, budget=2048)[-2:] == (1024, 2048)
 
 
 def test_tokenizer_vocabulary_mismatch_is_an_error(params, test_tokenizer):

@@ -19,8 +19,8 @@ def test_prompt_chunks_cover_the_prompt_and_pad_little(sizes, sequence_len):
         assert all(c in sizes for c in chunks[:-1]), (n, chunks)
         waste = smallest_at_least(sizes, chunks[-1]) - chunks[-1]
         assert waste <= max(n // 8, PAD_SLACK) or chunks[-1] <= sizes[0], (n, chunks)
-    if sequence_len == 2048:  # 1,056 tokens: a full 1,024 chunk and 32 in a 64 bucket
-        assert chunk_lengths(1056, sizes) == [1024, 32]
+    if sequence_len == 2048:  # 1,056 tokens: two chunks of the budget's 512 and 32 in a 32 bucket
+        assert chunk_lengths(1056, sizes) == [512, 512, 32] and chunk_lengths(128, sizes) == [128]
 
 
 def scheduler(budget=512, batch=8, sequence_len=2048, steps=4):
@@ -70,15 +70,13 @@ def test_a_round_keeps_to_its_token_budget_oldest_first():
         order.append([(r.sequence, r.start, r.length) for r in plan.prefill])
         plans.append(plan)
     # a's chunks are its own (cut from its prompt alone), in order; nobody overtakes a
-    assert [(st, n) for round_ in order for q, st, n in round_ if q is a] == [(0, 256), (256, 256), (512, 256),
-                                                                            (768, 256), (1024, 32)]
+    assert [(st, n) for round_ in order for q, st, n in round_ if q is a] == [(0, 512), (512, 512), (1024, 32)]
     names = {id(a): "a", id(b): "b", id(c): "c"}
     assert [[(names[id(q)], n) for q, _, n in round_] for round_ in order] == [
-        [("a", 256), ("b", 256)],  # 512 tokens in 2 x 256 positions
-        [("a", 256), ("b", 44)],  # c would make the call 4 x 256 positions
-        [("a", 256), ("c", 20)],
-        [("a", 256)],
-        [("a", 32)]]
+        [("a", 512)],  # the whole budget
+        [("a", 512)],
+        [("a", 32), ("b", 256)],  # 2 x 256 positions; c would make the call 4 x 256
+        [("b", 44), ("c", 20)]]  # beside a's first decode step
     assert a.computed == 1056 and b.prefilled == 300 and c.prefilled == 20
 
 
