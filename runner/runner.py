@@ -152,7 +152,7 @@ class InferenceRunner:
                          for p, t, kv in sorted(self.scheduler.prefill_shapes(score=True))]
         lowered = [model.prefill_memory.variant(kv_len=kv, score=score).lower(model.params, model.state, batch)
                    for batch, kv, score in prefills]
-        steps = sorted({1, self.decode_steps})  # one step beside a prefill (runner.scheduler)
+        steps = sorted(self.scheduler.step_counts())
         lowered += [model.sample_step.variant(kv_len=kv_len, steps=n).lower(model.params, model.state)
                     for kv_len in self.kv_buckets for n in steps]
         # a fork (in warm-up: slot 0 copied onto itself, nothing started), its logits placed like

@@ -3,7 +3,8 @@
 Each round the engine core asks for a ``RoundPlan`` and runs it: at most one prefill call, whose
 rows are prompt chunks of several requests (a row per request, all padded to one bucket), then
 one decode call that advances every decoding slot by ``decode_steps`` tokens (by one beside a
-prefill, so that a round stays about one budget's worth of prefill long). The plan keeps
+prefill, so that a round stays about one budget's worth of prefill long; by twice as many while
+every slot is taken, when no new request could start sooner anyway). The plan keeps
 under a token budget (``max_num_batched_tokens``, vLLM's name): the decoding slots count one token
 each, and prompt chunks are added, oldest request first, where the real tokens fit in what is
 left and the call's padded size (rows x bucket) fits in the budget too. The first chunk of a
@@ -239,7 +240,9 @@ class Scheduler:
         if plan.decode:
             # beside a prefill, one step: the round (the streams' gap between tokens) stays one
             # chunk's prefill long, and a prompt's next chunk, or the next prompt, comes sooner
-            steps = plan.decode_steps = 1 if rows else self.decode_steps
+            # with every slot taken nothing new can start: twice the steps, half the host's work a token
+            full = not self.slots.count(None)
+            steps = plan.decode_steps = 1 if rows else self.decode_steps * (2 if full else 1)
             plan.decode_kv_len = smallest_at_least(self.kv_buckets, max(s.dispatched for s in plan.decode) + steps)
             for s in plan.decode:
                 s.decode_steps += steps
@@ -288,6 +291,10 @@ class Scheduler:
         sequence.slot = self.slots.index(None)
         self.slots[sequence.slot] = sequence
         self._admitted.append(sequence)
+
+    def step_counts(self) -> set[int]:
+        """Every number of steps a decode call of ``schedule`` can take."""
+        return {1, self.decode_steps, 2 * self.decode_steps}
 
     def prefill_shapes(self, score: bool = False) -> set[tuple[int, int, int]]:
         """Every (rows, bucket, KV length) a prefill call of ``schedule`` can have: a call's padded
