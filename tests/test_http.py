@@ -43,7 +43,8 @@ class ServeProcess:
         self.proc = subprocess.Popen(  # bash lowers the soft file limit, then becomes the server
             ["bash", "-c", f'ulimit -Sn {FILE_LIMIT} && exec "$0" "$@"', sys.executable, str(REPO / "run.py"), "serve", "--checkpoint", checkpoint, "--port", str(self.port),
              "--batch-size", "2", "--max-waiting", "4", "--api-key", KEY, "--compile-cache", COMPILE_CACHE,
-             "--max-scored-tokens", "0", *flags],  # echo is refused by its size, scored or not
+             "--max-scored-tokens", "0", "--pad-sizes", "16,64", *flags],  # fewer variants to compile;
+            # echo is refused by its size, scored or not
             cwd=str(REPO), env=env, stdout=self.log_file, stderr=subprocess.STDOUT)
         deadline = time.time() + 300
         while True:
