@@ -177,12 +177,21 @@ def test_meshes_match_single_device(shard_params, plain_params, single_device, s
     assert state.memory.step.sharding.spec == P("data") and state.tokens.sharding.spec == P("data")
 
 
-def test_expert_parallelism_matches(shard_params, plain_params, single_device):
-    tokens, lengths, want_logits, want_tokens = single_device
-    mesh = make_mesh((2, 4))
+def test_expert_parallelism_matches(plain_params, single_device):
+    """Experts over ``model``: the weights sharded so, the logits the single device's (the served
+    tokens: the slow test below)."""
+    tokens, lengths, want_logits, _ = single_device
     plain = ModelRunner(model=SHARD, params=plain_params, rules=EXPERT_PARALLEL_RULES)
-    plain.initialize(mesh, batch_size=8)
+    plain.initialize(make_mesh((2, 4)), batch_size=8)
+    w = plain.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
+    assert w.sharding.spec == P("model", None, "data")
     assert_close_fp32(np.asarray(plain.forward(plain.params, tokens, lengths)), want_logits)
+
+
+@pytest.mark.slow  # the (2, 4) runner of test_meshes_match_single_device serves on a mesh in the default run
+def test_expert_parallel_serving_matches(shard_params, single_device):
+    want_tokens = single_device[3]
+    mesh = make_mesh((2, 4))
     runner = InferenceRunner(runner=ModelRunner(model=SHARD, params=shard_params, rules=EXPERT_PARALLEL_RULES),
                              batch_size=8, pad_sizes=(8, 16), mesh=mesh, max_num_batched_tokens=BUDGET)
     runner.initialize()
