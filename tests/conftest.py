@@ -2,7 +2,10 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from tests import COMPILE_FAST  # noqa: E402 (no JAX import)
+
+os.environ["XLA_FLAGS"] = " ".join((os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
+                                    COMPILE_FAST)).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import tempfile  # noqa: E402
@@ -10,10 +13,16 @@ import tempfile  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# One persistent compilation cache for the session: runners of the same config and shapes (many
-# fixtures build one) compile each variant once (a runner's warm-up: 22 s cold, 4 s cached).
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="grok-runner-tests-xla-"))
+# One persistent compilation cache for the session, shared by its pytest-xdist workers (one run id):
+# runners of the same config and shapes (many fixtures build one, in either worker) compile each
+# variant once (a runner's warm-up: 22 s cold, 4 s cached). A size limit turns on the cache's file
+# lock, so one worker never reads an entry the other is still writing.
+_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+_cache = os.path.join(tempfile.gettempdir(), f"grok-runner-tests-xla-{_run}") if _run else tempfile.mkdtemp(
+    prefix="grok-runner-tests-xla-")
+jax.config.update("jax_compilation_cache_dir", _cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
 from tests.helpers import REFERENCE  # noqa: E402
 

@@ -5,9 +5,11 @@ import os
 import sys
 
 process_id, num_processes, port, http_port, tokenizer = sys.argv[1:6]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import COMPILE_FAST  # noqa: E402
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 " + COMPILE_FAST
+os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 

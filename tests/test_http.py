@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from runner.runner import default_checkpoint
+from tests import COMPILE_FAST
 from tests.helpers import REPO
 from tests.test_sharding import free_port
 
@@ -39,7 +40,7 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / f"serve-{self.port}.log"
         self.log_file = open(self.log_path, "w")
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs it
+        env = dict(os.environ, XLA_FLAGS=COMPILE_FAST)  # one CPU device, as a user runs it
         self.proc = subprocess.Popen(  # bash lowers the soft file limit, then becomes the server
             ["bash", "-c", f'ulimit -Sn {FILE_LIMIT} && exec "$0" "$@"', sys.executable, str(REPO / "run.py"), "serve", "--checkpoint", checkpoint, "--port", str(self.port),
              "--batch-size", "2", "--max-waiting", "4", "--api-key", KEY, "--compile-cache", COMPILE_CACHE,

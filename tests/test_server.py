@@ -530,15 +530,19 @@ def test_the_shipped_model_served_end_to_end(shipped_runner):
 MULTIHOST = dataclasses.replace(CONFIG, emb_size=64, num_q_heads=4, num_kv_heads=4, key_size=8)
 
 
-def multihost_runner(tokenizer):
-    """The same runner in one process (8 devices) and in each of 2 processes (4 devices each)."""
+def multihost_params():
     from model import init_params
-    from model.sharding import make_mesh
     from tests.helpers import lively
 
-    params = jax.tree_util.tree_map(np.asarray, lively(init_params(MULTIHOST, jax.random.PRNGKey(5))))
+    return jax.tree_util.tree_map(np.asarray, lively(init_params(MULTIHOST, jax.random.PRNGKey(5))))
+
+
+def multihost_runner(tokenizer):
+    """The runner of each of 2 processes (4 devices each, a (2, 4) mesh over both)."""
+    from model.sharding import make_mesh
+
     # one bucket under a 16-token budget: one prefill variant to compile (each process compiles its own)
-    runner = InferenceRunner(runner=ModelRunner(model=MULTIHOST, params=params), batch_size=4, pad_sizes=(16,),
+    runner = InferenceRunner(runner=ModelRunner(model=MULTIHOST, params=multihost_params()), batch_size=4, pad_sizes=(16,),
                              mesh=make_mesh((2, 4)), tokenizer_path=tokenizer, max_num_batched_tokens=16)
     runner.initialize()
     return runner
@@ -546,7 +550,11 @@ def multihost_runner(tokenizer):
 
 def test_two_processes_behind_one_server(test_tokenizer):
     """Process 0 serves HTTP and broadcasts each round's admissions and cancellations; process 1
-    runs the same steps. Answers equal one process's own (8 devices, the same mesh)."""
+    runs the same steps. Greedy answers equal full forwards of the same parameters on one device,
+    and each answer in a shared round equals the same request alone. (One process of 8 devices
+    against two: ``test_sharding``'s two-process test, with -m slow.)"""
+    from model import forward
+    from runner.tokenizer import Tokenizer
     from tests.test_sharding import REPO, free_port
 
     port, http_port = str(free_port()), free_port()
@@ -557,11 +565,19 @@ def test_two_processes_behind_one_server(test_tokenizer):
              for i in range(2)]
     url = f"http://127.0.0.1:{http_port}"
     try:
-        single = multihost_runner(test_tokenizer)  # while the two processes start
         asks = [("the house", dict(temperature=0.0)), ("a letter from her sister", dict(temperature=0.0)),
                 ("the ball", dict(temperature=0.9, top_p=0.9, seed=4))]
-        want = [single.complete(Request(p, temperature=s["temperature"], nucleus_p=s.get("top_p", 1.0),
-                                        rng_seed=s.get("seed"), max_len=8)).text for p, s in asks]
+        # while the two processes start: the greedy answers by full forwards without a cache
+        tokenizer, params = Tokenizer(test_tokenizer), multihost_params()
+        fwd = jax.jit(lambda t, n: forward(params, t, MULTIHOST, lengths=n).logits)
+        want = []
+        for prompt, _ in asks[:2]:
+            ids, out = tokenizer.encode(prompt), []
+            while len(out) < 8 and (not out or out[-1] != MULTIHOST.eos_token):
+                tokens = np.zeros((1, MULTIHOST.sequence_len), np.int32)
+                tokens[0, : len(ids) + len(out)] = ids + out
+                out.append(int(np.asarray(fwd(tokens, np.array([len(ids) + len(out)])))[0, len(ids) + len(out) - 1].argmax()))
+            want.append(tokenizer.decode([t for t in out if t != MULTIHOST.eos_token]))
         deadline = time.time() + 240
         while True:
             try:
@@ -583,7 +599,9 @@ def test_two_processes_behind_one_server(test_tokenizer):
                 await c.close()
 
         got = [r.choices[0].text for r in asyncio.run(together())]
-        assert got == want
+        assert got[:2] == want
+        alone = client.completions.create(model="multihost", prompt=asks[2][0], max_tokens=8, **asks[2][1])
+        assert got[2] == alone.choices[0].text
         # a cancelled (disconnected) stream on process 0 is cancelled on process 1 as well: the
         # processes stay in step, and later answers are still right
         with httpx.stream("POST", url + "/v1/completions", json={"model": "multihost", "prompt": "the", "max_tokens": 50,
