@@ -168,6 +168,14 @@ def start_jax(parser, args) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def prefix_cache_of(args) -> dict:
+    """The runner's prefix cache settings for ``--prefix-cache-gb`` (by default, as many blocks
+    of 16 positions as the slots hold positions)."""
+    if args.prefix_cache_gb is None:
+        return {"prefix_cache_blocks": "auto"}
+    return {"prefix_cache_bytes": int(args.prefix_cache_gb * 1e9)}
+
+
 def serve(argv) -> int:
     """``run.py serve``: the OpenAI-compatible HTTP server (server/) on a checkpoint."""
     p = argparse.ArgumentParser(prog="run.py serve", description="Serve a checkpoint over the OpenAI API "
@@ -215,6 +223,11 @@ def serve(argv) -> int:
                    help="tokens a round may compute: prompt chunks (cut to buckets no larger) plus one per "
                    "decoding request; admitting a long prompt holds running streams for one such round "
                    "(default: the runner's, runner.runner.DEFAULT_BATCHED_TOKENS)")
+    p.add_argument("--prefix-cache-gb", type=bounded(float, 0, None, "a number of GB >= 0"), default=None,
+                   help="device memory for the prefix cache, in GB (10**9 bytes): the KV of prompt prefixes in "
+                   "blocks of 16 positions, reused by requests whose prompts start with the same tokens, least "
+                   "recently used evicted first; 0 turns it off (default: as much as the slots' own KV, "
+                   "--batch-size x sequence_len positions)")
     p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto", help="see run.py --help")
     p.add_argument("--compile-cache", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
@@ -260,7 +273,8 @@ def serve(argv) -> int:
                                  local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
                                  score_prompts=args.max_scored_tokens != 0, decode_steps=args.decode_steps,
                                  **({} if args.max_num_batched_tokens is None
-                                    else {"max_num_batched_tokens": args.max_num_batched_tokens}))
+                                    else {"max_num_batched_tokens": args.max_num_batched_tokens}),
+                                 **prefix_cache_of(args))
         runner.initialize()
         if jax.process_index() != 0:  # several hosts: follow process 0's rounds until it stops
             runner.core.broadcast = True

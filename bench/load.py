@@ -15,11 +15,14 @@ decode call made as one chunk, so it is asked for ``logprobs: 0``), else one a c
   tokens each: TTFT, TPOT, ITL per token as the client receives it, output tokens/s.
 - ``burst32``: the same 32 requests all at once.
 - ``long32``: 32 distinct 1,056-token prompts at once, 16 new tokens each: the total time.
+- ``prefix32``: 32 requests at once sharing a 1,024-token prefix, each with its own 32-token
+  suffix, 16 new tokens each (issue 23): TTFT and the total time; the peers cache prefixes too.
 - ``arrivals``: 4 streams decode (128-token prompts, 600 new tokens); over 4 s without arrivals,
   then while four 1,024-token prompts arrive 1.5 s apart, their ITL p50 / p99 / max.
 
 Servers: ``ours`` is ``python run.py serve`` of this tree, or of ``--ours-tree`` (a checkout of
-another commit, for before/after in one run), on a checkpoint written here. ``vllm`` and
+another commit, for before/after in one run), on a checkpoint written here; ``ours-nocache`` is
+this tree with its prefix cache off (``--prefix-cache-gb 0``). ``vllm`` and
 ``llama`` run the scripts ``/tmp/peers/vllm.sh PORT`` and ``/tmp/peers/llama.sh PORT`` (how to
 set them up: BENCHMARKS.md, "Peers"); a server whose script is missing is skipped, and said so.
 """
@@ -139,6 +142,8 @@ SCENARIOS = {
     "rate1": lambda s: open_loop(s, [(p, 64) for p in prompts(32, 128, 1)], 1.0, 1),
     "burst32": lambda s: open_loop(s, [(p, 64) for p in prompts(32, 128, 1)], float("inf"), 1),
     "long32": lambda s: open_loop(s, [(p, 16) for p in prompts(32, 1056, 2)], float("inf"), 2),
+    "prefix32": lambda s: open_loop(s, [(prompts(1, 1024, 3)[0] + p, 16) for p in prompts(32, 32, 4)],
+                                    float("inf"), 3),
     "arrivals": arrivals,
 }
 
@@ -164,7 +169,8 @@ def markdown(results: dict) -> str:
     """The figures of a run as one table, a row a server."""
     rows = ["| server | rate1 TTFT p50 / p99 ms | rate1 TPOT p50 / p99 ms | rate1 ITL p99 ms | burst32 tok/s "
             "| burst32 TTFT p50 ms | long32 total s | arrivals ITL p50 / p99 / max ms, alone | the same while long "
-            "prompts arrive | long prompts' TTFT ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "prompts arrive | long prompts' TTFT ms | prefix32 TTFT p50 / p99 ms | prefix32 total s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results["servers"].items():
         def get(scenario, key, fmt="{:.0f}"):
             value = r.get(scenario, {}).get(key)
@@ -178,15 +184,17 @@ def markdown(results: dict) -> str:
                     f"{get('rate1', 'tpot_p50_ms', '{:.1f}')} / {get('rate1', 'tpot_p99_ms', '{:.1f}')} | "
                     f"{get('rate1', 'itl_p99_ms')} | {get('burst32', 'output_tokens_per_s', '{:.1f}')} | "
                     f"{get('burst32', 'ttft_p50_ms', '{:,.0f}')} | {get('long32', 'duration_s', '{:.1f}')} | "
-                    f"{gaps('alone')} | {gaps('arrivals')} | {long_ttft} |")
+                    f"{gaps('alone')} | {gaps('arrivals')} | {long_ttft} | "
+                    f"{get('prefix32', 'ttft_p50_ms', '{:,.0f}')} / {get('prefix32', 'ttft_p99_ms', '{:,.0f}')} | "
+                    f"{get('prefix32', 'duration_s', '{:.1f}')} |")
     return "\n".join(rows)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", default="ours,vllm,llama",
-                   help="ours, ours-before (with --ours-tree), vllm, llama; in this order")
-    p.add_argument("--scenarios", default="rate1,burst32,long32,arrivals")
+                   help="ours, ours-nocache, ours-before (with --ours-tree), vllm, llama; in this order")
+    p.add_argument("--scenarios", default="rate1,burst32,long32,arrivals,prefix32")
     p.add_argument("--ours-tree", help="a checkout of another commit: served as ours-before")
     p.add_argument("--serve-args", default="", help="extra arguments of ours' serve (both trees)")
     p.add_argument("--out", default="bench/load.json")
@@ -205,13 +213,15 @@ def main(argv=None) -> None:
     print(f"CPU: {results['cpu']}")
     for name in args.servers.split(","):
         port = free_port()
-        if name in ("ours", "ours-before"):
-            tree = HERE if name == "ours" else args.ours_tree
+        if name in ("ours", "ours-nocache", "ours-before"):
+            tree = args.ours_tree if name == "ours-before" else HERE
             if tree is None:
                 p.error("ours-before needs --ours-tree")
             command = [sys.executable, os.path.join(tree, "run.py"), "serve", "--checkpoint", checkpoint,
                        "--model-name", "bench", "--port", str(port), "--batch-size", "8",
                        "--max-waiting", "1000"] + args.serve_args.split()
+            if name == "ours-nocache":
+                command += ["--prefix-cache-gb", "0"]
             server = Server(name, f"http://127.0.0.1:{port}", "bench", {"logprobs": 0})
             env_tree = tree
         else:

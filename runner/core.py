@@ -44,7 +44,7 @@ import jax
 import numpy as np
 
 from runner.requests import PromptLogprob, Request, TokenEvent
-from runner.scheduler import RoundPlan, Scheduler, Sequence, empty_batch, finish_reason, prefill_row, request_row
+from runner.scheduler import RoundPlan, Scheduler, Sequence, finish_reason, prefill_row, request_row
 from runner.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("grok_runner")
@@ -259,20 +259,32 @@ class EngineCore:
     def _dispatch_prefill(self, plan: RoundPlan) -> None:
         """The plan's prefill call, then its forks. A request whose row cannot be made (its
         detokenizer, a host-side bug) ends alone, its row left as padding."""
-        batch = empty_batch(plan.rows, plan.bucket, self.scheduler.batch_size)
+        scheduler = self.scheduler
+        batch = scheduler.empty_batch(plan.rows, plan.bucket)
         columns = {}
         for i, row in enumerate(plan.prefill):
+            def make_row(i=i, row=row):
+                prefill_row(batch, i, row, scheduler.eos_token)
+                for block, index in scheduler.saves(row):  # last: nothing can fail after it
+                    batch.save[i, block] = index
+
             try:
-                self._starting(row.sequence, row.start == 0, lambda: prefill_row(batch, i, row, self.scheduler.eos_token))
+                self._starting(row.sequence, row.start == row.sequence.cached, make_row)
             except Exception as e:
+                if scheduler.prefix is not None:  # blocks it may have taken are never written
+                    scheduler.prefix.drop(batch.save[i][batch.save[i] < scheduler.pool_blocks].tolist())
+                    batch.save[i] = scheduler.pool_blocks
                 batch.slots[i] = self.scheduler.batch_size
                 batch.lengths[i] = 0
+                batch.cached[i] = 0
                 batch.last[i] = batch.reset[i] = False
                 self._free(row.sequence, release=False)
                 self._error(row.sequence.request, row.sequence.sink, 0, e)
                 continue
             columns[i] = row.sequence
         out, logits, scores = self.model.run_prefill(batch, plan.prefill_kv_len, plan.score)
+        if scheduler.prefix is not None:  # the blocks it writes: later calls may read them
+            scheduler.prefix.commit()
         chunks = {i: (plan.prefill[i].start, plan.prefill[i].length) for i in columns}
         # a request's first token is its row's sample
         self._pending.append((out, columns, None if scores is None else (scores, chunks)))
@@ -283,7 +295,7 @@ class EngineCore:
                 continue
             if sequence.scored:  # its leader's scores, complete when its first token is read
                 sequence.scores = leader.scores
-            one = empty_batch(1, 1, self.scheduler.batch_size)
+            one = scheduler.empty_batch(1, 1)
             one.reset[0] = one.last[0] = True
             try:
                 self._starting(sequence, True, lambda: request_row(one, 0, sequence, self.scheduler.eos_token))
@@ -401,7 +413,7 @@ class EngineCore:
                             sample.top_k_probs[step, column, :k].tolist()))
         prompt = tuple(sequence.scores) if sequence.scored and sequence.generated == 1 else None
         event = TokenEvent(request, sequence.generated - 1, token, text, logprob, top, reason,
-                           prompt_logprobs=prompt)
+                           prompt_logprobs=prompt, cached_tokens=sequence.cached)
         if reason is not None:
             self._free(sequence, release=False)  # the device stopped it itself
             self._end(sequence.sink, event)
@@ -421,6 +433,8 @@ class EngineCore:
                                                 error=message))
         self._pending = []
         self.model.reset_state()
+        if self.scheduler.prefix is not None:  # the pool was lost with the state
+            self.scheduler.prefix.clear()
 
     def _end(self, sink: Sink, event: TokenEvent) -> None:
         """Deliver a request's last event; its id is free for a new request from then on."""

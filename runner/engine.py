@@ -34,12 +34,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
 from model.memory import KVMemory, new_memory
-from model.sharding import (DEFAULT_RULES, activation_sharding, make_mesh, memory_specs, param_shardings,
-                            spec_for)
+from model.sharding import (DEFAULT_RULES, KV_MEMORY_AXES, activation_sharding, make_mesh, memory_specs,
+                            param_shardings, spec_for)
 from model.transformer import LanguageModel
 from runner.sampling import SampleOutput, SampleSettings, sample_token, score_positions
 from runner.selection import BACKENDS, Selection, choose, start
-from runner.state import MAX_STOP_IDS, DecodeOutput, DecodeState, PrefillBatch, ends
+from runner.state import MAX_STOP_IDS, DecodeOutput, DecodeState, PrefillBatch, PrefixPool, ends
 
 log = logging.getLogger("grok_runner")
 
@@ -75,7 +75,12 @@ class ModelRunner:
     # What initialize chose: the backend, why, and each CPU kernel's Choice (runner.selection.Selection)
     selection: Selection | None = dataclasses.field(default=None, init=False)
 
-    def initialize(self, mesh: Mesh | None = None, batch_size: int | None = None) -> None:
+    def initialize(self, mesh: Mesh | None = None, batch_size: int | None = None, prefix_blocks: int = 0,
+                   prefix_block_size: int = 16, prefix_bytes: int = 0) -> None:
+        """Restore (or place) the parameters, choose the backend and build the compiled functions
+        and the decode state, with a prefix pool (``runner.prefix_cache``) of ``prefix_blocks``
+        blocks of ``prefix_block_size`` positions, or of as many as ``prefix_bytes`` hold (0: none)."""
+        self.prefix_blocks, self.prefix_block_size = prefix_blocks, prefix_block_size
         if self.backend not in BACKENDS:
             raise ValueError(f"ModelRunner.backend must be one of {BACKENDS}, got {self.backend!r}")
         self.mesh = mesh or self.mesh or make_mesh((1, 1), jax.devices()[:1])
@@ -91,6 +96,10 @@ class ModelRunner:
         data = self.mesh.shape["data"]
         if self.batch_size % data:
             raise ValueError(f"batch_size {self.batch_size} is not divisible by the mesh's data axis ({data})")
+        if prefix_blocks == -1:  # as many blocks as the slots hold positions
+            self.prefix_blocks = -(-self.batch_size * self.model.sequence_len // prefix_block_size)
+        elif prefix_bytes and not prefix_blocks:
+            self.prefix_blocks = prefix_bytes // self.prefix_block_bytes()
         self.selection = choose(self.backend, self.mesh, self.model, self.params, self.batch_size,
                                         self.calibration_tokens)
         for line in self.selection.report().splitlines():
@@ -99,6 +108,10 @@ class ModelRunner:
         self.param_shardings = param_shardings(self.params, self.mesh, self.rules)
         self.params = self.selection.backend.prepare(jax.device_put(self.params, self.param_shardings))
         self._build()
+
+    def prefix_block_bytes(self) -> int:
+        """Bytes of one prefix pool block: K and V of every layer over ``prefix_block_size`` positions."""
+        return self.model.kv_bytes_per_token() * self.prefix_block_size
 
     def backend_report(self) -> str:
         """The backend and why; for the CPU backend one line per kernel: taken or XLA's op, and the
@@ -135,7 +148,17 @@ class ModelRunner:
             active=self._named(batch),
             remaining=self._named(batch),
             stop_ids=self._named(P(*batch, None)),
+            pool=self._pool_shardings(),
         )
+
+    def _pool_shardings(self) -> PrefixPool | None:
+        """The prefix pool's: its blocks replicated over ``data`` (any slot may read any block),
+        its KV heads split like the cache's."""
+        if not self.prefix_blocks:
+            return None
+        block = self._named(P(None, *spec_for(KV_MEMORY_AXES[1:], self.rules)))
+        layers = self.model.num_layers
+        return PrefixPool(k=(block,) * layers, v=(block,) * layers)
 
     # ---- the four functions ------------------------------------------------------------------
     def _build(self) -> None:
@@ -160,10 +183,16 @@ class ModelRunner:
         def _new_memory():
             return new_memory(config, b)
 
+        def _new_pool():
+            shape = (self.prefix_blocks, config.num_kv_heads, self.prefix_block_size, config.key_size)
+            return PrefixPool(k=tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers)),
+                              v=tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers)))
+
         rows = jax.tree_util.tree_map(lambda _: replicated, PrefillBatch(*range(len(dataclasses.fields(PrefillBatch)))))
         step_out_sh = DecodeOutput(out_sh, replicated, replicated)
         self.forward = jax.jit(forward, in_shardings=(params_sh, None, None))
         self.new_memory = jax.jit(_new_memory, out_shardings=state_sh.memory)
+        self.new_pool = jax.jit(_new_pool, out_shardings=state_sh.pool) if self.prefix_blocks else None
         # One jitted function per static setting (KV length, or KV length x steps), each with
         # explicit shardings (a prefill's is also compiled per shape of its batch); made on first
         # use, which warm-up does for every variant the scheduler can ask for.
@@ -224,6 +253,7 @@ class ModelRunner:
             active=jax.device_put(np.zeros((b,), bool), sh.active),
             remaining=jax.device_put(np.zeros((b,), np.int32), sh.remaining),
             stop_ids=jax.device_put(np.full((b, MAX_STOP_IDS), -1, np.int32), sh.stop_ids),
+            pool=self.new_pool() if self.new_pool is not None else None,
         )
 
 
@@ -242,9 +272,13 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
         return jnp.take(full[:, :, :kv_len], slots, axis=0, mode="fill", fill_value=0)
 
     step = jnp.take(memory.step, slots, mode="fill", fill_value=0)
-    sub = KVMemory(k=tuple(map(rows, memory.k)), v=tuple(map(rows, memory.v)),
-                   step=jnp.where(batch.reset, 0, step))
+    k, v = tuple(map(rows, memory.k)), tuple(map(rows, memory.v))
+    if state.pool is not None:  # a first chunk after a cached prefix starts from its blocks
+        k, v = read_prefix(state.pool, batch, k, v, kv_len)
+    sub = KVMemory(k=k, v=v, step=jnp.where(batch.reset, batch.cached, step))
     out = apply({"params": params}, batch.tokens, sub, batch.lengths, not score, kv_len)
+    if state.pool is not None:
+        state = state.replace(pool=save_prefix(state.pool, batch, out.memory, kv_len))
     if score:
         scores = score_positions(out.logits, batch.targets, sampler)
         logits = jnp.take_along_axis(out.logits, jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)[:, 0]
@@ -266,6 +300,42 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
     # padded to the batch size: one compiled fork serves prefill calls of any row count
     logits_BV = jnp.zeros((b, logits.shape[-1]), logits.dtype).at[: logits.shape[0]].set(logits)
     return state, output, logits_BV, scores
+
+
+def read_prefix(pool: PrefixPool, batch: PrefillBatch, k_rows, v_rows, kv_len: int):
+    """The rows' caches ``[P, K, kv_len, H]`` per layer with positions ``[0, batch.cached)`` of
+    each row taken from its pool blocks ``batch.read`` (a copy: the row never refers to the pool
+    again). Skipped when no row starts from a cached prefix."""
+    nb = kv_len // pool.block_size
+    blocks = batch.read[:, :nb]
+    hit_PS = jnp.arange(kv_len)[None, :] < batch.cached[:, None]
+
+    def one(pool_NKbH, rows_PKSH):
+        got = pool_NKbH[blocks]  # [P, nb, K, b, H]
+        p, _, k, size, h = got.shape
+        got_PKSH = got.transpose(0, 2, 1, 3, 4).reshape(p, k, nb * size, h)
+        return jnp.where(hit_PS[:, None, :, None], got_PKSH.astype(rows_PKSH.dtype), rows_PKSH)
+
+    def read():
+        return tuple(map(one, pool.k, k_rows)), tuple(map(one, pool.v, v_rows))
+
+    return jax.lax.cond(jnp.any(batch.cached > 0), read, lambda: (k_rows, v_rows))
+
+
+def save_prefix(pool: PrefixPool, batch: PrefillBatch, rows: KVMemory, kv_len: int) -> PrefixPool:
+    """``pool`` with block j of each row's cache (``rows``: ``[P, K, kv_len, H]`` per layer, as the
+    call left it) written to pool block ``batch.save[p, j]`` where that is a block (the rest is
+    dropped). The call reads the pool (``read_prefix``) before it writes it."""
+    nb = kv_len // pool.block_size
+    to = batch.save[:, :nb].reshape(-1)
+
+    def one(pool_NKbH, rows_PKSH):
+        p, k, _, h = rows_PKSH.shape
+        blocks = rows_PKSH.reshape(p, k, nb, pool.block_size, h).transpose(0, 2, 1, 3, 4)
+        return pool_NKbH.at[to].set(blocks.reshape(p * nb, k, pool.block_size, h).astype(pool_NKbH.dtype),
+                                    mode="drop")
+
+    return PrefixPool(k=tuple(map(one, pool.k, rows.k)), v=tuple(map(one, pool.v, rows.v)))
 
 
 def _seeded(batch: PrefillBatch):

@@ -133,6 +133,8 @@ class TokenEvent:
     error: Optional[str] = None  # with finish reason "error": what went wrong serving this request
     # on the first event of a request with prompt_logprobs: each prompt token, scored
     prompt_logprobs: Optional[tuple] = None
+    # prompt tokens whose KV came from the prefix cache, not computed (the usage's cached_tokens)
+    cached_tokens: int = 0
 
     @property
     def request_id(self) -> str:

@@ -28,7 +28,8 @@ from model.sharding import make_mesh
 from runner.core import EngineCore, Inbox
 from runner.engine import ModelRunner
 from runner.requests import Request, TokenEvent
-from runner.scheduler import Scheduler, chunk_lengths, empty_batch, smallest_at_least
+from runner.prefix_cache import PrefixCache
+from runner.scheduler import Scheduler, chunk_lengths, smallest_at_least
 from runner.state import MAX_STOP_IDS
 from runner.tokenizer import Tokenizer
 
@@ -99,6 +100,14 @@ class InferenceRunner:
     # prefill variants that score every position are compiled at start only if so (the server's
     # echo with logprobs needs them). Off by default: it adds a compiled variant per one-row shape.
     score_prompts: bool = False
+    # The prefix cache (runner/prefix_cache.py): a pool of this many blocks of prefix_block_size
+    # prompt positions, reused by any request whose prompt starts with the same tokens. Off (0) by
+    # default here: the pool is device memory beyond the slots' own KV, which a library caller
+    # sized its batch by, and its calls often share no prefix; ``serve`` turns it on (run.py).
+    # "auto": as many blocks as the slots hold positions (batch_size x sequence_len), doubling the KV.
+    prefix_cache_blocks: int | str = 0
+    prefix_cache_bytes: int = 0  # or a pool of as many blocks as this many bytes hold
+    prefix_block_size: int = 16
 
     def initialize(self, warmup: bool = True) -> None:
         mesh = self.mesh or self.runner.mesh
@@ -106,7 +115,21 @@ class InferenceRunner:
             shape = tuple(a * b for a, b in zip(self.local_mesh_config, self.between_hosts_config))
             devices = jax.devices()[: shape[0] * shape[1]]
             mesh = make_mesh(shape, devices)
-        self.runner.initialize(mesh, self.batch_size)
+        blocks, size = self.prefix_cache_blocks, self.prefix_block_size
+        for name, value, low in (("prefix_cache_blocks", blocks, 0), ("prefix_cache_bytes", self.prefix_cache_bytes, 0),
+                                 ("prefix_block_size", size, 1)):
+            if name == "prefix_cache_blocks" and value == "auto":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                extra = ' or "auto"' if name == "prefix_cache_blocks" else ""
+                raise ValueError(f"{name} must be an integer >= {low}{extra}, got {value!r}")
+        if blocks == "auto":
+            blocks = -1  # ModelRunner.initialize: the slots' positions, once sequence_len is known
+        if blocks and self.prefix_cache_bytes:
+            raise ValueError(f"give prefix_cache_blocks ({blocks}) or prefix_cache_bytes "
+                             f"({self.prefix_cache_bytes}), not both")
+        self.runner.initialize(mesh, self.batch_size, blocks, size, self.prefix_cache_bytes)
+        blocks = self.prefix_cache_blocks = self.runner.prefix_blocks
         self.mesh, self.config = self.runner.mesh, self.runner.model
         self.batch_size = self.runner.batch_size
         budget = self.max_num_batched_tokens
@@ -114,6 +137,13 @@ class InferenceRunner:
             raise ValueError(f"max_num_batched_tokens must be a positive integer, got {budget!r}")
         self.pad_sizes = self._check_pad_sizes(self.pad_sizes)
         self.kv_buckets = default_kv_buckets(self.config.sequence_len)
+        prefix = None
+        if blocks:
+            if any(kv % size for kv in self.kv_buckets):
+                raise ValueError(f"prefix_block_size {size} must divide every KV bucket {self.kv_buckets} "
+                                 f"(sequence_len {self.config.sequence_len})")
+            identity = repr((self.config, self.runner.checkpoint_path)).encode()  # blocks of one model
+            prefix = PrefixCache(blocks, size, identity)
         if not isinstance(self.decode_steps, int) or self.decode_steps <= 0:
             raise ValueError(f"decode_steps must be a positive integer, got {self.decode_steps!r}")
         path = self.tokenizer_path or self.runner.tokenizer_path
@@ -122,7 +152,7 @@ class InferenceRunner:
             raise ValueError(f"tokenizer {path} has {self.tokenizer.vocab_size} pieces but the model's "
                              f"vocab_size is {self.config.vocab_size}")
         self.scheduler = Scheduler(self.batch_size, self.pad_sizes, self.kv_buckets, self.config.sequence_len,
-                                   budget, self.decode_steps, self.config.eos_token)
+                                   budget, self.decode_steps, self.config.eos_token, prefix)
         self.core = EngineCore(self.runner, self.scheduler, self.prepare, self.tokenizer)
         if warmup:
             self._warmup()
@@ -146,9 +176,10 @@ class InferenceRunner:
         model, b = self.runner, self.batch_size
         # (batch, KV length, score) of every prefill call the scheduler can make; the scoring
         # ones (prompt log-probabilities, one row a call) only if requests may ask for them
-        prefills = [(empty_batch(p, t, b), kv, False) for p, t, kv in sorted(self.scheduler.prefill_shapes())]
+        empty_batch = self.scheduler.empty_batch
+        prefills = [(empty_batch(p, t), kv, False) for p, t, kv in sorted(self.scheduler.prefill_shapes())]
         if self.score_prompts:
-            prefills += [(empty_batch(p, t, b), kv, True)
+            prefills += [(empty_batch(p, t), kv, True)
                          for p, t, kv in sorted(self.scheduler.prefill_shapes(score=True))]
         lowered = [model.prefill_memory.variant(kv_len=kv, score=score).lower(model.params, model.state, batch)
                    for batch, kv, score in prefills]
@@ -157,7 +188,7 @@ class InferenceRunner:
                     for kv_len in self.kv_buckets for n in steps]
         # a fork (in warm-up: slot 0 copied onto itself, nothing started), its logits placed like
         # a prefill's output (a host array would be another variant)
-        one, logits = empty_batch(1, 1, b), np.zeros((b, self.config.vocab_size), np.float32)
+        one, logits = empty_batch(1, 1), np.zeros((b, self.config.vocab_size), np.float32)
         one.slots[0] = 0
         logits = jax.device_put(logits, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         lowered.append(model.fork_slot.lower(model.state, logits, np.int32(0), np.int32(0), one))
@@ -181,6 +212,11 @@ class InferenceRunner:
     def backend_report(self) -> str:
         """Which backend runs the model and why (``ModelRunner.backend_report``)."""
         return self.runner.backend_report()
+
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, tokens found there) since start."""
+        prefix = self.scheduler.prefix
+        return (prefix.queries, prefix.hits) if prefix is not None else (0, 0)
 
     def logits(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Logits ``[B, T, V]`` of whole sequences, without a cache (scoring; ``ModelRunner.forward``)."""

@@ -11,9 +11,12 @@ left and the call's padded size (rows x bucket) fits in the budget too. The firs
 round is always taken, so a prompt never waits behind the budget; a round therefore holds the
 running streams for at most one budget's worth of prefill.
 
-A request's chunks are cut when it is admitted, from its prompt alone (``chunk_lengths``), so
+A request's chunks are cut when it is submitted, from its prompt alone (``chunk_lengths``), so
 what arrives beside it never changes how its prompt is computed: its tokens are the ones it gets
-alone. Only its last chunk samples; its first token is emitted when that chunk's output is read.
+alone. With a prefix cache (``runner.prefix_cache``), a prompt that starts with cached blocks
+when it is admitted reads them in its first chunk and only the rest is cut into chunks (their KV
+is what its own prefill would compute: a position's K/V depends on the tokens up to it only).
+Only its last chunk samples; its first token is emitted when that chunk's output is read.
 
 KV accounting: a slot holds up to ``sequence_len`` positions; a request is admitted when a slot is
 free and its prompt plus its ``max_len`` fit there (checked at submit). The host knows each
@@ -30,6 +33,7 @@ from typing import Optional
 
 import numpy as np
 
+from runner.prefix_cache import PrefixCache
 from runner.requests import Request
 from runner.state import MAX_STOP_IDS, PrefillBatch
 
@@ -75,9 +79,13 @@ class Sequence:
     request: Request
     ids: list[int]
     sink: object  # where its events go (runner.core.Sink)
-    chunks: list[int]  # its prompt's chunk lengths (chunk_lengths), cut when it was submitted
+    chunks: list[int]  # its prompt's chunk lengths (chunk_lengths), cut when it was submitted (again
+    # when it is admitted after a cached prefix: the rest of the prompt)
     prompt_key: int = 0  # a hash of its prompt ids: requests with one prompt prefill it once
     slot: Optional[int] = None
+    cached: int = 0  # prompt positions its first chunk reads from the prefix cache (set on admission)
+    read_blocks: list = dataclasses.field(default_factory=list)  # the pool blocks holding them
+    saved: int = 0  # prompt blocks in the prefix cache: read, or saved by a dispatched chunk
     detokenizer: object = None  # made when it is admitted
     chunks_done: int = 0  # chunks dispatched (a dispatched chunk always computes all its tokens)
     prefilled: int = 0  # prompt tokens dispatched
@@ -160,8 +168,13 @@ class Scheduler:
     buckets no larger than it."""
 
     def __init__(self, batch_size: int, pad_sizes: tuple[int, ...], kv_buckets: tuple[int, ...],
-                 sequence_len: int, budget: int, decode_steps: int, eos_token: int):
+                 sequence_len: int, budget: int, decode_steps: int, eos_token: int,
+                 prefix: Optional[PrefixCache] = None):
         self.batch_size, self.sequence_len = batch_size, sequence_len
+        self.prefix = prefix  # the prefix cache's index (None: off)
+        # the prefill batch's block tables: a column per cache block (runner.state.PrefillBatch)
+        self.blocks = sequence_len // prefix.block_size if prefix is not None else 0
+        self.pool_blocks = prefix.num_blocks if prefix is not None else 0
         self.kv_buckets, self.budget, self.decode_steps = kv_buckets, budget, decode_steps
         self.eos_token = eos_token
         self.chunk_sizes = tuple(s for s in pad_sizes if s <= budget) or pad_sizes[:1]
@@ -212,14 +225,15 @@ class Scheduler:
         for sequence in self._candidates():
             if sequence.slot is None and self._leader_of(sequence, [r.sequence for r in rows]):
                 continue  # it will copy the leader's prompt when the leader's last chunk is computed
-            length = sequence.chunks[sequence.chunks_done]
+            hit = self._cached_prefix(sequence) if sequence.slot is None else None
+            length = hit[1][0] if hit else sequence.chunks[sequence.chunks_done]
             size = smallest_at_least(self.chunk_sizes, length)
             grown = max(bucket, size)
             if rows and (sequence.scored or length > left
                          or grown * smallest_at_least(self.row_buckets, len(rows) + 1) > self.budget):
                 continue  # the oldest first; a later one that fits may join (the oldest left out leads soon)
             if sequence.slot is None:
-                self._admit(sequence)
+                self._admit(sequence, hit)
             rows.append(PrefillRow(sequence, sequence.prefilled, length))
             left -= length
             bucket = grown
@@ -269,6 +283,21 @@ class Scheduler:
                 out.append(sequence)
         return out
 
+    def saves(self, row: PrefillRow) -> list[tuple[int, int]]:
+        """Pool blocks for the prompt blocks that ``row``'s chunk completes (``PrefixCache.allocate``):
+        ``(block number, pool block)`` pairs, written by the call that computes the chunk."""
+        if self.prefix is None:
+            return []
+        s = row.sequence
+        end = (row.start + row.length) // self.prefix.block_size
+        out = self.prefix.allocate(s.ids, s.saved, end)
+        s.saved = end
+        return out
+
+    def empty_batch(self, rows: int, bucket: int) -> PrefillBatch:
+        """``empty_batch`` with this scheduler's block tables."""
+        return empty_batch(rows, bucket, self.batch_size, self.blocks, self.pool_blocks)
+
     def unfork(self, sequence: Sequence) -> None:
         """``sequence`` cannot copy its prompt after all (its leader failed): it prefills it itself,
         in the slot it has, first among the prompts in slots."""
@@ -286,7 +315,26 @@ class Scheduler:
             free -= 1
             yield sequence
 
-    def _admit(self, sequence: Sequence) -> None:
+    def _cached_prefix(self, sequence: Sequence) -> Optional[tuple[list, list[int]]]:
+        """The prefix cache's blocks for a waiting ``sequence``'s prompt, and the chunks of the rest
+        of it; None if it has none (or needs every position's logits: a scored prompt)."""
+        if self.prefix is None or sequence.scored:
+            return None
+        blocks = self.prefix.match(sequence.ids)
+        if not blocks:
+            return None
+        return blocks, chunk_lengths(len(sequence.ids) - len(blocks) * self.prefix.block_size, self.chunk_sizes)
+
+    def _admit(self, sequence: Sequence, hit: Optional[tuple[list, list[int]]] = None) -> None:
+        """Into a free slot; with ``hit`` (``_cached_prefix``, this round) its prompt starts after
+        the cached blocks, which its first chunk reads."""
+        if self.prefix is not None and not sequence.scored:
+            self.prefix.use(sequence.ids, hit[0] if hit else [])
+        if hit:
+            blocks, sequence.chunks = hit
+            sequence.read_blocks = [b.index for b in blocks]
+            sequence.cached = sequence.prefilled = len(blocks) * self.prefix.block_size
+            sequence.saved = len(blocks)
         self.waiting.remove(sequence)
         sequence.slot = self.slots.index(None)
         self.slots[sequence.slot] = sequence
@@ -326,7 +374,10 @@ def prefill_row(batch: PrefillBatch, i: int, row: PrefillRow, eos_token: int) ->
     s = row.sequence
     batch.tokens[i, : row.length] = s.ids[row.start: row.start + row.length]
     batch.lengths[i] = row.length
-    batch.reset[i] = row.start == 0
+    batch.reset[i] = row.start == s.cached  # its first chunk
+    if batch.reset[i] and s.cached:
+        batch.cached[i] = s.cached
+        batch.read[i, : len(s.read_blocks)] = s.read_blocks
     batch.last[i] = row.start + row.length == len(s.ids)
     # position j predicts prompt token j + 1: what a scoring prefill scores (the last predicts none)
     targets = s.ids[row.start + 1: row.start + row.length + 1]
@@ -348,15 +399,17 @@ def request_row(batch: PrefillBatch, i: int, sequence: Sequence, eos_token: int)
     batch.stop_ids[i, : len(stop)] = stop
 
 
-def empty_batch(rows: int, bucket: int, batch_size: int) -> PrefillBatch:
-    """A prefill batch of padding rows only (slot = batch size), as host arrays."""
+def empty_batch(rows: int, bucket: int, batch_size: int, blocks: int = 0, pool_blocks: int = 0) -> PrefillBatch:
+    """A prefill batch of padding rows only (slot = batch size), as host arrays; its prefix cache
+    tables have ``blocks`` columns and name no block (``pool_blocks``: the pool's size)."""
     return PrefillBatch(
         slots=np.full((rows,), batch_size, np.int32), tokens=np.zeros((rows, bucket), np.int32),
         lengths=np.zeros((rows,), np.int32), reset=np.zeros((rows,), bool), last=np.zeros((rows,), bool),
         temperature=np.zeros((rows,), np.float32), nucleus_p=np.ones((rows,), np.float32),
         top_k=np.zeros((rows,), np.int32), logprobs=np.full((rows,), -1, np.int32), seed=np.zeros((rows,), np.uint32),
         max_len=np.ones((rows,), np.int32), stop_ids=np.full((rows, MAX_STOP_IDS), -1, np.int32),
-        targets=np.full((rows, bucket), -1, np.int32))
+        targets=np.full((rows, bucket), -1, np.int32), cached=np.zeros((rows,), np.int32),
+        read=np.zeros((rows, blocks), np.int32), save=np.full((rows, blocks), pool_blocks, np.int32))
 
 
 def default_seed(request: Request) -> int:

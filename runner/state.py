@@ -13,6 +13,8 @@ are the only ways a slot's row changes outside a decode step. Its invariants:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -44,6 +46,14 @@ class PrefillBatch:
     stop_ids: jax.Array  # [P, MAX_STOP_IDS] int32 (-1 = unused; EOS first)
     # [P, T] int32: the prompt token after each position, which a scoring prefill scores (-1: none)
     targets: jax.Array
+    # The prefix cache (``runner.prefix_cache``), with blocks of ``block`` positions; ``NB`` =
+    # ``sequence_len // block``. A first chunk whose prompt starts with cached blocks starts at
+    # ``cached`` and reads positions ``[0, cached)`` from the pool blocks ``read``; ``save[p, j]``
+    # is the pool block that block j of the row's positions is written to after the call
+    # (``num_blocks``: none). Without a pool, zeros and ignored.
+    cached: jax.Array  # [P] int32: positions read from the pool (a multiple of block)
+    read: jax.Array  # [P, NB] int32
+    save: jax.Array  # [P, NB] int32
 
 
 def ends(token_B, stop_ids_BS, remaining_B):
@@ -51,6 +61,24 @@ def ends(token_B, stop_ids_BS, remaining_B):
     (EOS is always one), or when it may generate no more tokens. Every step applies it on the
     device; the host only names the reason (``runner.scheduler.finish_reason``)."""
     return jnp.any(token_B[:, None] == stop_ids_BS, axis=1) | (remaining_B <= 0)
+
+
+@flax.struct.dataclass
+class PrefixPool:
+    """The device's prefix block pool: per layer, ``[num_blocks, K, block, H]`` keys and values
+    of prompt prefixes, in the cache's dtype; ``runner.prefix_cache.PrefixCache`` says which
+    block holds what. A block is only ever copied into a slot, never attended in place."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[2]
 
 
 @flax.struct.dataclass
@@ -62,6 +90,7 @@ class DecodeState:
     active: jax.Array  # [B] bool
     remaining: jax.Array  # [B] int32: tokens the slot may still generate
     stop_ids: jax.Array  # [B, MAX_STOP_IDS] int32: ids that end the slot's request (-1 = unused)
+    pool: Optional[PrefixPool] = None  # the prefix cache's blocks (None: no prefix cache)
 
     def start(self, batch: PrefillBatch, first: SampleOutput, keys) -> "DecodeState":
         """The state with the requests of ``batch``'s last-chunk rows in their slots (their

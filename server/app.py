@@ -81,6 +81,7 @@ class _Choice:
         # over byte pieces belongs to its last piece), log-probability, alternatives, text offset
         self.text, self.tokens, self.strs, self.logprobs, self.tops, self.offsets = "", [], [], [], [], []
         self.prompt_logprobs = None  # its prompt's PromptLogprobs, if its request scored it
+        self.cached_tokens = 0  # its prompt's tokens read from the prefix cache
         self.finish_reason: Optional[str] = None
 
     def add(self, event, top: int) -> str:
@@ -88,6 +89,7 @@ class _Choice:
         piece = event.text
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
+        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
         if self.matcher is not None:
             piece = self.matcher.feed(piece)
             if self.matcher.stopped:
@@ -111,6 +113,16 @@ class _Choice:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+
+def _usage(prompt_tokens: int, choices: list[_Choice], n: int) -> dict:
+    """OpenAI's usage block of a response whose choices come ``n`` per prompt: with the prompt
+    tokens read from the prefix cache (``prompt_tokens_details.cached_tokens``), each prompt's
+    counted once (its copies share one prefill)."""
+    completion = sum(len(c.tokens) for c in choices)
+    cached = sum(max(c.cached_tokens for c in choices[i: i + n]) for i in range(0, len(choices), n))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class Server:
@@ -228,6 +240,7 @@ class Server:
                 self._authorize(request)
             running, waiting = self.runner.core.counts()
             self.metrics.update_load(running, waiting, self.runner.batch_size)
+            self.metrics.update_prefix_cache(*self.runner.prefix_cache_counts())
             return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
         @app.get("/v1/models")
@@ -561,9 +574,7 @@ class Server:
             return prompt_text[p] if body.echo else ""
 
         def usage():
-            completion = sum(len(c.tokens) for c in choices)
-            return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                    "total_tokens": prompt_tokens + completion}
+            return _usage(prompt_tokens, choices, body.n)
 
         if body.stream:
             sent = {}
@@ -634,8 +645,7 @@ class Server:
                                                              choice.logprobs[start:], choice.tops[start:])]}
 
         def usage():
-            completion = sum(len(c.tokens) for c in choices)
-            return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
+            return _usage(len(ids), choices, body.n)
 
         if body.stream:
             sent = {}

@@ -3,7 +3,7 @@
 Each server has its own registry (several servers in one process, as in the tests, do not
 collide). Histograms: time to first token, inter-token latency, end-to-end latency and queue
 time; gauges: requests running and waiting, KV slot usage; counters: prompt and generation tokens,
-successful requests by finish reason.
+successful requests by finish reason, prefix cache queries and hits (in tokens).
 """
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ class Metrics:
                                               registry=r).labels(**self.labels)
         self.success = prom.Counter("vllm:request_success", "Finished requests by finish reason.",
                                     labels + ["finished_reason"], registry=r)
+        self.prefix_queries = prom.Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                           "cache.", labels, registry=r).labels(**self.labels)
+        self.prefix_hits = prom.Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                                        "(not computed).", labels, registry=r).labels(**self.labels)
+        self._prefix_seen = (0, 0)
 
     def finished(self, reason: str) -> None:
         self.success.labels(finished_reason=reason, **self.labels).inc()
@@ -48,6 +53,13 @@ class Metrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(running / slots if slots else 0.0)
+
+    def update_prefix_cache(self, queries: int, hits: int) -> None:
+        """The prefix cache's running totals (``InferenceRunner.prefix_cache_counts``) into the counters."""
+        seen_queries, seen_hits = self._prefix_seen
+        self.prefix_queries.inc(queries - seen_queries)
+        self.prefix_hits.inc(hits - seen_hits)
+        self._prefix_seen = (queries, hits)
 
     def render(self) -> bytes:
         return prom.generate_latest(self.registry)

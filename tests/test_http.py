@@ -226,6 +226,24 @@ def test_health_answers_while_a_large_request_is_handled(serve, case):
     assert len(worst) >= 5 and max(worst) < 1.0, f"/health took up to {max(worst):.2f} s"
 
 
+def test_serve_caches_prefixes_and_reports_them(serve):
+    """``serve`` keeps prompt prefixes by default: a repeated prompt's usage counts its cached
+    tokens, its text is unchanged, and /metrics counts the lookups and hits in tokens."""
+    prompt = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be"
+    body = {"model": "austen-moe", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    first, again = (httpx.post(serve.url + "/v1/completions", json=body, headers=AUTH, timeout=60).json()
+                    for _ in range(2))
+    assert first["usage"]["prompt_tokens"] > 16, first["usage"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (first["usage"]["prompt_tokens"] - 1) // 16 * 16 and cached > 0, again["usage"]
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    metrics = httpx.get(serve.url + "/metrics").text
+    hits = [line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
+    queries = [line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_queries_total")]
+    assert float(hits[0].split()[-1]) >= cached and float(queries[0].split()[-1]) >= 2 * first["usage"]["prompt_tokens"]
+
+
 def test_sigterm_with_a_stalled_upload_exits(tmp_path):
     """A stalled upload (with a long read timeout) does not hold the process: it exits within
     the drain timeout plus a few seconds, rc 0, and says what it ended."""
