@@ -179,3 +179,8 @@ def test_pool_settings_are_checked(params):  # noqa: F811
     auto.initialize(warmup=False)
     assert auto.prefix_cache_blocks == 2 * CONFIG.sequence_len // 16
     assert np.asarray(auto.state.pool.k[0]).shape == (8, CONFIG.num_kv_heads, 16, CONFIG.key_size)
+    block = CONFIG.kv_bytes_per_token() * 16  # K and V of every layer, 16 positions
+    sized = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=2, pad_sizes=PAD_SIZES,
+                            prefix_cache_bytes=5 * block + block // 2)
+    sized.initialize(warmup=False)
+    assert sized.prefix_cache_blocks == 5 and sized.state.pool.num_blocks == 5
