@@ -75,11 +75,12 @@ class ModelRunner:
     # What initialize chose: the backend, why, and each CPU kernel's Choice (runner.selection.Selection)
     selection: Selection | None = dataclasses.field(default=None, init=False)
 
-    def initialize(self, mesh: Mesh | None = None, batch_size: int | None = None, prefix_blocks: int = 0,
+    def initialize(self, mesh: Mesh | None = None, batch_size: int | None = None, prefix_blocks: int | str = 0,
                    prefix_block_size: int = 16, prefix_bytes: int = 0) -> None:
         """Restore (or place) the parameters, choose the backend and build the compiled functions
         and the decode state, with a prefix pool (``runner.prefix_cache``) of ``prefix_blocks``
-        blocks of ``prefix_block_size`` positions, or of as many as ``prefix_bytes`` hold (0: none)."""
+        blocks of ``prefix_block_size`` positions ("auto": as many as the slots hold positions), or
+        of as many as ``prefix_bytes`` hold (0: none)."""
         self.prefix_blocks, self.prefix_block_size = prefix_blocks, prefix_block_size
         if self.backend not in BACKENDS:
             raise ValueError(f"ModelRunner.backend must be one of {BACKENDS}, got {self.backend!r}")
@@ -96,7 +97,7 @@ class ModelRunner:
         data = self.mesh.shape["data"]
         if self.batch_size % data:
             raise ValueError(f"batch_size {self.batch_size} is not divisible by the mesh's data axis ({data})")
-        if prefix_blocks == -1:  # as many blocks as the slots hold positions
+        if prefix_blocks == "auto":  # once the checkpoint's sequence_len is known
             self.prefix_blocks = -(-self.batch_size * self.model.sequence_len // prefix_block_size)
         elif prefix_bytes and not prefix_blocks:
             self.prefix_blocks = prefix_bytes // self.prefix_block_bytes()

@@ -116,15 +116,12 @@ class InferenceRunner:
             devices = jax.devices()[: shape[0] * shape[1]]
             mesh = make_mesh(shape, devices)
         blocks, size = self.prefix_cache_blocks, self.prefix_block_size
-        for name, value, low in (("prefix_cache_blocks", blocks, 0), ("prefix_cache_bytes", self.prefix_cache_bytes, 0),
-                                 ("prefix_block_size", size, 1)):
-            if name == "prefix_cache_blocks" and value == "auto":
-                continue
+        checks = [("prefix_cache_bytes", self.prefix_cache_bytes, 0, ""), ("prefix_block_size", size, 1, "")]
+        if blocks != "auto":
+            checks.append(("prefix_cache_blocks", blocks, 0, ' or "auto"'))
+        for name, value, low, also in checks:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                extra = ' or "auto"' if name == "prefix_cache_blocks" else ""
-                raise ValueError(f"{name} must be an integer >= {low}{extra}, got {value!r}")
-        if blocks == "auto":
-            blocks = -1  # ModelRunner.initialize: the slots' positions, once sequence_len is known
+                raise ValueError(f"{name} must be an integer >= {low}{also}, got {value!r}")
         if blocks and self.prefix_cache_bytes:
             raise ValueError(f"give prefix_cache_blocks ({blocks}) or prefix_cache_bytes "
                              f"({self.prefix_cache_bytes}), not both")

@@ -9,7 +9,7 @@ import pytest
 from runner import Request
 from runner.prefix_cache import PrefixCache
 from tests.test_core import solo, tokens
-from tests.test_runner import CONFIG, PAD_SIZES, BUDGET, params, prompt_ids, runner  # noqa: F401 (fixtures)
+from tests.test_runner import CONFIG, PAD_SIZES, BUDGET, collect, params, prompt_ids, runner  # noqa: F401 (fixtures)
 
 BLOCK = 8
 POOL = 14  # blocks: a 40-token prefix takes 5, so a few distinct prompts evict it
@@ -34,20 +34,13 @@ def shared(prefix, i, n=8):
     return Request(ids, temperature=0.8, top_k=7 * (i % 3), rng_seed=i, max_len=n)
 
 
-def first_events(stream):
-    got = {}
-    for event in stream:
-        got.setdefault(event.request_id, []).append(event)
-    return got
-
-
 def test_shared_prefixes_are_read_from_the_cache_and_change_no_token(cached, runner):  # noqa: F811
     prefix = prompt_ids(800, 40)  # 5 blocks
     requests = [shared(prefix, i) for i in range(7)]
     want = {r.request_id: solo(runner, r) for r in requests}
     queries, hits = cached.prefix_cache_counts()
-    got = first_events(cached.run(requests[:1]))  # alone: it computes and saves the prefix
-    got.update(first_events(cached.run(requests[1:])))  # a burst: every one reads it
+    got = collect(cached.run(requests[:1]))  # alone: it computes and saves the prefix
+    got.update(collect(cached.run(requests[1:])))  # a burst: every one reads it
     for r in requests:
         assert tokens(got[r.request_id]) == want[r.request_id], r
     assert got[requests[0].request_id][0].cached_tokens == 0
@@ -70,7 +63,7 @@ def test_chunked_prompts_copies_and_eviction_keep_every_token(cached, runner):  
     assert tokens(list(cached.run([first]))) == solo(runner, first)
     # n > 1: one request reads the blocks, its copies fork from it
     copies = [dataclasses.replace(shared(prefix, 21), rng_seed=s, temperature=0.9, request_id=None) for s in range(3)]
-    got = first_events(cached.run(copies))
+    got = collect(cached.run(copies))
     assert [tokens(got[r.request_id]) for r in copies] == [solo(runner, r) for r in copies]
     assert max(e[0].cached_tokens for e in got.values()) == 48
     # distinct prompts fill the 14-block pool and evict the prefix's blocks, least recently used first
