@@ -10,15 +10,16 @@ from model import TINY, QuantizedWeight8bit, dequantize, forward, quantize
 def test_quantize_error_is_within_half_a_scale():
     w = jax.random.normal(jax.random.PRNGKey(1), (3, 64, 40)) * jnp.linspace(0.1, 5.0, 40)
     for groups in (1, 4, 8):
-        q = quantize(w, groups=groups)
+        q = jitted_quantize(w, groups=groups)
         assert q.weight.dtype == jnp.int8 and q.scales.shape == (3, groups, 40)
-        err = jnp.abs(dequantize(q, jnp.float32) - w).reshape(3, groups, 64 // groups, 40)
-        scale = q.scales.astype(jnp.float32)[:, :, None, :]
+        err = np.abs(np.asarray(jax.jit(dequantize, static_argnums=1)(q, jnp.float32)) - np.asarray(w))
+        err = err.reshape(3, groups, 64 // groups, 40)
+        scale = np.asarray(q.scales.astype(jnp.float32))[:, :, None, :]
         # int8 rounding: half a scale; a bf16 scale rounded down can clip by 2**-8 of the max
         bound = 0.5 * scale + 2.0**-8 * 127 * scale
-        assert bool(jnp.all(err <= bound))
+        assert np.all(err <= bound)
         # and relative to each channel's range it is small
-        assert float(jnp.max(err) / jnp.max(jnp.abs(w))) < 1 / 127
+        assert float(err.max() / np.abs(np.asarray(w)).max()) < 1 / 127
 
 
 def test_grouped_scales_apply_to_their_block_of_the_contracting_axis():
@@ -33,12 +34,15 @@ def test_quantize_rejects_bad_groups():
         quantize(jnp.ones((6, 4)), groups=4)
 
 
+jitted_quantize = jax.jit(quantize, static_argnames="groups")  # one compile a shape, not one an eager op
+
+
 def quantize_params(params, groups=1):
     """Every matrix of the model quantised (norms and embedding stay float, as in Grok-1)."""
 
     def maybe(path, leaf):
         name = path[-1].key
-        return quantize(leaf, groups=groups) if name == "w" and leaf.ndim >= 2 else leaf
+        return jitted_quantize(leaf, groups=groups) if name == "w" and leaf.ndim >= 2 else leaf
 
     return jax.tree_util.tree_map_with_path(maybe, params)
 

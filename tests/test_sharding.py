@@ -28,10 +28,12 @@ from tests.test_quant import quantize_params
 # every sharded dimension divisible by 8: emb 64, 8 KV heads, ffn 88, 4 experts
 SHARD = dataclasses.replace(TINY, vocab_size=512, emb_size=64, num_q_heads=8, num_kv_heads=8, key_size=8,
                             sequence_len=48)
-# (2, 4) shards both axes; the other shapes of the same devices run with -m slow (the scale-group
-# test below runs the forward on (1, 8) in the default run)
-MESHES = [(1, 1), (2, 4), pytest.param((1, 8), marks=pytest.mark.slow), pytest.param((4, 2), marks=pytest.mark.slow),
-          pytest.param((8, 1), marks=pytest.mark.slow)]
+# The meshes run with -m slow: each compiles a runner's every variant, after a single-device
+# runner's (90 s on 2 cores for one mesh). In the default run a (2, 4) runner serves in
+# test_server's two-process test (its greedy answers checked against full forwards on one device,
+# its sampled one against the same request alone), and the scale-group test below and
+# test_checkpoints' restores run the forward on sharded meshes against one device.
+MESHES = [pytest.param(shape, marks=pytest.mark.slow) for shape in [(1, 1), (2, 4), (1, 8), (4, 2), (8, 1)]]
 PROMPTS = [[5, 9, 200, 17, 3, 44], [77] * 11, list(range(30, 50)), [400, 401]]
 # a round of at most 16 tokens: prefill calls of 1 or 2 rows of 8, or one of 16 (few variants to
 # compile on each mesh; several prompts still share calls, and the 20-token one is chunked)
@@ -124,14 +126,19 @@ def plain_params():
 
 
 @pytest.fixture(scope="module")
-def single_device(shard_params, plain_params):
+def single_device_logits(plain_params):
     tokens = np.array([p + [0] * (20 - len(p)) for p in PROMPTS], np.int32)
     lengths = np.array([len(p) for p in PROMPTS])
-    logits = np.asarray(forward(plain_params, tokens, SHARD, lengths=lengths).logits)
+    return tokens, lengths, np.asarray(forward(plain_params, tokens, SHARD, lengths=lengths).logits)
+
+
+@pytest.fixture(scope="module")
+def single_device(shard_params, single_device_logits):
+    """The logits, and the tokens a single-device runner serves (a runner's every variant compiled)."""
     runner = InferenceRunner(runner=ModelRunner(model=SHARD, params=shard_params), batch_size=8, pad_sizes=(8, 16),
                              max_num_batched_tokens=BUDGET)
     runner.initialize()
-    return tokens, lengths, logits, generate(runner)
+    return (*single_device_logits, generate(runner))
 
 
 def assert_close_fp32(got, want):
@@ -177,10 +184,10 @@ def test_meshes_match_single_device(shard_params, plain_params, single_device, s
     assert state.memory.step.sharding.spec == P("data") and state.tokens.sharding.spec == P("data")
 
 
-def test_expert_parallelism_matches(plain_params, single_device):
+def test_expert_parallelism_matches(plain_params, single_device_logits):
     """Experts over ``model``: the weights sharded so, the logits the single device's (the served
     tokens: the slow test below)."""
-    tokens, lengths, want_logits, _ = single_device
+    tokens, lengths, want_logits = single_device_logits
     plain = ModelRunner(model=SHARD, params=plain_params, rules=EXPERT_PARALLEL_RULES)
     plain.initialize(make_mesh((2, 4)), batch_size=8)
     w = plain.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
@@ -188,7 +195,7 @@ def test_expert_parallelism_matches(plain_params, single_device):
     assert_close_fp32(np.asarray(plain.forward(plain.params, tokens, lengths)), want_logits)
 
 
-@pytest.mark.slow  # the (2, 4) runner of test_meshes_match_single_device serves on a mesh in the default run
+@pytest.mark.slow  # in the default run test_server's two-process test serves on a (2, 4) mesh
 def test_expert_parallel_serving_matches(shard_params, single_device):
     want_tokens = single_device[3]
     mesh = make_mesh((2, 4))
