@@ -68,6 +68,10 @@ def parse_args(argv):
     p.add_argument("--mesh", default=None, help="device mesh DATA,MODEL (default 1,1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation dtype "
                    "(default: the checkpoint's; float32 is used on CPU, where bf16 matmuls are slow)")
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8"], default=None,
+                   help="what the KV cache holds (default: the activation dtype); int8 keeps one float32 scale a "
+                   "token and KV head, 3.8x the tokens of float32 in the same memory at key_size 64, at the "
+                   "error BENCHMARKS.md measures")
     p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto",
                    help="where the operations run (kernels/): xla is pure JAX on any devices; cpu is one CPU "
                    "device with every C++ kernel; auto (default) is cpu on one CPU device with each kernel "
@@ -125,7 +129,7 @@ def plan(parser, args) -> int:
     memory = None if args.device_memory is None else int(args.device_memory * 2**30)
     try:
         result = memory_plan(config, params, mesh_shape=tuple(mesh), batch_size=args.batch_size or 1,
-                             device_memory=memory)
+                             device_memory=memory, kv_dtype=args.kv_dtype)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -228,6 +232,10 @@ def serve(argv) -> int:
                    "blocks of 16 positions, reused by requests whose prompts start with the same tokens, least "
                    "recently used evicted first; 0 turns it off (default: as much as the slots' own KV, "
                    "--batch-size x sequence_len positions)")
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8"], default=None,
+                   help="what the KV cache holds (default: the activation dtype); int8 keeps one float32 scale a "
+                   "token and KV head, 3.8x the tokens of float32 in the same memory at key_size 64, at the "
+                   "error BENCHMARKS.md measures")
     p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto", help="see run.py --help")
     p.add_argument("--compile-cache", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
@@ -268,7 +276,7 @@ def serve(argv) -> int:
         p.error(f"--checkpoint {checkpoint!r} is not a directory")
     try:
         runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, model=args.config,
-                                                    backend=args.backend),
+                                                    backend=args.backend, kv_dtype=args.kv_dtype),
                                  tokenizer_path=args.tokenizer, batch_size=args.batch_size,
                                  local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
                                  score_prompts=args.max_scored_tokens != 0, decode_steps=args.decode_steps,
@@ -293,6 +301,7 @@ def serve(argv) -> int:
         return 2
     for line in runner.backend_report().splitlines():
         print(line if line.startswith("backend:") else f"  kernel {line}", file=sys.stderr)
+    print(runner.kv_report(), file=sys.stderr)
     print(f"serving {server.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     rc = serve_forever(server, args.host, args.port, limits)  # until Ctrl-C or SIGTERM, then a drain
     if jax.process_count() > 1 and rc == 0:
@@ -357,7 +366,8 @@ def generate(parser, args, start: float) -> int:
         parser.error(f"argument --checkpoint: {checkpoint!r} is not a directory")
     try:
         runner = InferenceRunner(
-            runner=ModelRunner(checkpoint_path=checkpoint, model=config, dtype=args.dtype, backend=args.backend),
+            runner=ModelRunner(checkpoint_path=checkpoint, model=config, dtype=args.dtype, backend=args.backend,
+                               kv_dtype=args.kv_dtype),
             tokenizer_path=args.tokenizer, local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
             batch_size=args.batch_size)
         runner.initialize()
@@ -368,6 +378,7 @@ def generate(parser, args, start: float) -> int:
         return 2
     for line in runner.backend_report().splitlines():
         print(line if line.startswith("backend:") else f"  kernel {line}", file=sys.stderr)
+    print(runner.kv_report(), file=sys.stderr)
 
     single = len(requests) == 1
     texts = {r.request_id: [] for r in requests}

@@ -122,10 +122,11 @@ ATTENTION_BLOCK = 256  # query and key positions per block of a long chunk's att
 
 def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float):
     """Grouped-query attention of queries ``q [B, T, N, H]`` (rotated) over the first S positions
-    of keys and values ``[B, K, S_max, H]`` where ``mask [B, T, S]`` allows: ``[B, T, N, H]`` in
-    q's dtype. Grok-1: logits times ``scale``, soft-capped at ``cap * tanh(x / cap)``, masked to
-    -1e30, softmax in float32. A prompt chunk over at least two blocks of keys is attended block
-    by block (``attend_blocked``), skipping the key blocks no query of a block may see."""
+    of keys and values ``[B, K, S_max, H]`` (float, or int8 records: ``positions``) where
+    ``mask [B, T, S]`` allows: ``[B, T, N, H]`` in q's dtype. Grok-1: logits times ``scale``,
+    soft-capped at ``cap * tanh(x / cap)``, masked to -1e30, softmax in float32. A prompt chunk
+    over at least two blocks of keys is attended block by block (``attend_blocked``), skipping
+    the key blocks no query of a block may see."""
     t, s = q_BTNH.shape[1], mask_BTS.shape[-1]
     queries = min(t, ATTENTION_BLOCK)
     if t >= 16 and t % queries == 0 and s >= 2 * ATTENTION_BLOCK and s % ATTENTION_BLOCK == 0:
@@ -155,8 +156,8 @@ def attend_blocked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, q
 
         def key_block(j, carry):
             m_BKGQ, l_BKGQ, acc_BKGQH = carry
-            k_BKCH = jax.lax.dynamic_slice_in_dim(k_BKSH, j * block, block, axis=2).astype(dtype)
-            v_BKCH = jax.lax.dynamic_slice_in_dim(v_BKSH, j * block, block, axis=2).astype(dtype)
+            k_BKCH, v_BKCH = (positions(x, lambda a: jax.lax.dynamic_slice_in_dim(a, j * block, block, axis=2), dtype)
+                              for x in (k_BKSH, v_BKSH))
             mask_BQC = jax.lax.dynamic_slice_in_dim(mask_BQS, j * block, block, axis=2)
             logits = jnp.einsum("BQKGH,BKCH->BKGQC", q_BQKGH, k_BKCH).astype(jnp.float32) * scale
             logits = cap * jnp.tanh(logits / cap)
@@ -178,13 +179,20 @@ def attend_blocked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, q
     return out.reshape(b, t, n, h)
 
 
+def positions(cache, take, dtype):
+    """``take`` (some positions: an operation on axis 2) of a cache ``[B, K, S, H]``, a float
+    array or an int8 record whose leaves share those axes (``model.memory.QuantizedKV``), in
+    ``dtype``."""
+    return jax.tree_util.tree_map(take, cache).astype(dtype)
+
+
 def attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float):
     """``attend`` in one piece: every query against every key of the first S positions."""
     b, t, n, h = q_BTNH.shape
     s, dtype = mask_BTS.shape[-1], q_BTNH.dtype
     k, g = k_BKSH.shape[1], n // k_BKSH.shape[1]
     # read only the S positions the mask covers (a bucket of the cache), in q's dtype
-    k_BKSH, v_BKSH = k_BKSH[:, :, :s].astype(dtype), v_BKSH[:, :, :s].astype(dtype)
+    k_BKSH, v_BKSH = (positions(x, lambda a: a[:, :, :s], dtype) for x in (k_BKSH, v_BKSH))
     # GQA: query head j uses KV head j // g (contiguous groups of g query heads).
     q_BTKGH = q_BTNH.reshape(b, t, k, g, h)
     logits_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH).astype(jnp.float32)

@@ -124,9 +124,11 @@ class ModelConfig:
         return self.num_params - inactive
 
     def kv_bytes_per_token(self, dtype=None) -> int:
-        """KV-memory bytes one token occupies: 2 (K and V) x layers x KV heads x key_size x bytes."""
-        itemsize = jnp.dtype(dtype if dtype is not None else self.dtype).itemsize
-        return 2 * self.num_layers * self.num_kv_heads * self.key_size * itemsize
+        """KV-memory bytes one token occupies: 2 (K and V) x layers x KV heads x key_size x bytes;
+        in int8 (``model.memory.QuantizedKV``) each vector of key_size bytes also has a float32 scale."""
+        dtype = jnp.dtype(dtype if dtype is not None else self.dtype)
+        vector = self.key_size + 4 if dtype == jnp.int8 else self.key_size * dtype.itemsize
+        return 2 * self.num_layers * self.num_kv_heads * vector
 
 
 # Grok-1 as published (GROK1.md §1, run.py of xai-org/grok-1).

@@ -18,6 +18,7 @@ import numpy as np
 
 from backends.xla import XLA
 from model.config import ModelConfig
+from model.memory import write_kv
 from model.quant import QuantizedWeight8bit, dequantize
 from model.partitioning import constrain
 
@@ -133,14 +134,12 @@ class MultiHeadAttention(nn.Module):
         k_BTKH = rotary_embedding(k_BTKH, positions_BT, c.rope_base)
 
         if cache is not None:
-            k_BKSH, v_BKSH = cache
             rows_BT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-            # Scatter with mode="drop": a padded position past sequence_len is dropped, never
-            # clamped onto valid entries (XLA's dynamic_update_slice would clamp).
-            k_BKSH = k_BKSH.at[rows_BT, :, positions_BT].set(k_BTKH.astype(k_BKSH.dtype), mode="drop")
-            v_BKSH = v_BKSH.at[rows_BT, :, positions_BT].set(v_BTKH.astype(v_BKSH.dtype), mode="drop")
-            k_BKSH, v_BKSH = constrain(k_BKSH, CACHE), constrain(v_BKSH, CACHE)  # never resharded
-            cache = (k_BKSH, v_BKSH)
+            # a scatter that drops a padded position past sequence_len; an int8 cache quantises
+            # the chunk's K/V as it writes them, so the chunk attends to them as rounded too
+            cache = (write_kv(cache[0], rows_BT, positions_BT, k_BTKH), write_kv(cache[1], rows_BT, positions_BT, v_BTKH))
+            cache = jax.tree_util.tree_map(lambda x: constrain(x, CACHE), cache)  # never resharded
+            k_BKSH, v_BKSH = cache
             # The backend attends to the first S positions only (S = the mask's length: a bucket
             # that covers every row's valid positions), so a step reads the KV it needs.
         else:

@@ -12,6 +12,12 @@ Invariants:
   overwritten later; positions ``>= sequence_len`` are dropped, never clamped onto valid data.
 - Rows are independent: writing row i never reads or changes row j. A free slot is simply a row
   whose ``step`` is reset to 0 before its next prompt; old contents need no zeroing.
+- In an int8 cache (``new_memory(..., dtype="int8")``) each of ``k[l]``, ``v[l]`` is a
+  ``QuantizedKV``: int8 values ``[B, K, S, H]`` and one float32 scale a row, KV head and position
+  ``[B, K, S, 1]`` (the same leading axes, so every positional operation on the cache is a
+  ``tree_map`` over either kind). A position's K (or V) of one head is written once, quantised
+  with its own scale, and attention reads only dequantised values: everything a query attends
+  to, its own chunk included, went through the same rounding, whichever way the prompt was cut.
 """
 
 from __future__ import annotations
@@ -24,10 +30,54 @@ import numpy as np
 from model.config import ModelConfig
 
 
+KV_DTYPES = ("float32", "bfloat16", "int8")  # what a cache may hold (None: the activations' dtype)
+
+
+@flax.struct.dataclass
+class QuantizedKV:
+    """One layer's int8 keys (or values): ``values [B, K, S, H]`` int8 and ``scales [B, K, S, 1]``
+    float32, ``x = values * scales`` (per token and KV head: a token's K of one head is quantised
+    when it is written and never again). Like ``QuantizedWeight8bit`` it gives its value in a
+    dtype by ``astype``; positional operations are ``jax.tree_util.tree_map`` over both leaves."""
+
+    values: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    def astype(self, dtype) -> jax.Array:
+        return self.values.astype(dtype) * self.scales.astype(dtype)
+
+
+def quantize_kv(x) -> QuantizedKV:
+    """``x [..., H]`` as int8 with one scale per vector of H (its largest magnitude over 127,
+    rounded to nearest): the error of an entry is at most half its vector's scale. An all-zero
+    vector gets scale 0 and values 0."""
+    x32 = x.astype(jnp.float32)
+    scales = jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / 127.0
+    values = jnp.round(x32 / jnp.where(scales > 0, scales, 1.0))
+    return QuantizedKV(values=jnp.clip(values, -127, 127).astype(jnp.int8), scales=scales)
+
+
+def write_kv(cache, rows_BT, positions_BT, new_BTKH):
+    """``cache`` (``[B, K, S, H]`` float, or a ``QuantizedKV``) with ``new_BTKH [B, T, K, H]``
+    written at ``(rows_BT, positions_BT)``; a position past ``S`` is dropped, never clamped onto
+    valid entries (XLA's ``dynamic_update_slice`` would clamp)."""
+    new = quantize_kv(new_BTKH) if isinstance(cache, QuantizedKV) else new_BTKH
+    return jax.tree_util.tree_map(
+        lambda full, x: full.at[rows_BT, :, positions_BT].set(x.astype(full.dtype), mode="drop"), cache, new)
+
+
 @flax.struct.dataclass
 class KVMemory:
-    k: tuple[jax.Array, ...]  # num_layers x [B, K, S, H]
-    v: tuple[jax.Array, ...]  # num_layers x [B, K, S, H]
+    k: tuple[jax.Array | QuantizedKV, ...]  # num_layers x [B, K, S, H]
+    v: tuple[jax.Array | QuantizedKV, ...]  # num_layers x [B, K, S, H]
     step: jax.Array  # [B] int32: valid positions per row
 
     @property
@@ -41,14 +91,13 @@ class KVMemory:
     def row(self, slot) -> "KVMemory":
         """Row ``slot`` (traced or concrete) as a one-row memory: ``[1, K, S, H]`` leaves."""
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)  # noqa: E731
-        return KVMemory(k=tuple(map(take, self.k)), v=tuple(map(take, self.v)), step=take(self.step))
+        return jax.tree_util.tree_map(take, self)
 
     def with_row(self, slot, row: "KVMemory") -> "KVMemory":
         """This memory with row ``slot`` replaced by the one-row memory ``row``; other rows are
         untouched (rows are independent), and with a donated buffer XLA writes in place."""
         put = lambda full, r: jax.lax.dynamic_update_slice_in_dim(full, r.astype(full.dtype), slot, axis=0)  # noqa: E731
-        return KVMemory(k=tuple(map(put, self.k, row.k)), v=tuple(map(put, self.v, row.v)),
-                        step=put(self.step, row.step))
+        return jax.tree_util.tree_map(put, self, row)
 
     def check_fits(self, lengths) -> None:
         """Raise ``ValueError`` if writing ``lengths`` more tokens would pass ``sequence_len``.
@@ -68,16 +117,28 @@ class KVMemory:
 
 def new_memory(config: ModelConfig, batch_size: int, sequence_len: int | None = None,
                dtype=None) -> KVMemory:
-    """A zeroed ``KVMemory`` for ``batch_size`` rows (``sequence_len`` defaults to the config's)."""
+    """A zeroed ``KVMemory`` for ``batch_size`` rows (``sequence_len`` defaults to the config's)
+    holding ``dtype`` (one of ``KV_DTYPES``; default: the activations' dtype; "int8": a
+    ``QuantizedKV`` per layer)."""
     sequence_len = config.sequence_len if sequence_len is None else sequence_len
     if batch_size <= 0 or sequence_len <= 0:
         raise ValueError(f"new_memory needs positive batch_size and sequence_len, got "
                          f"{batch_size} and {sequence_len}")
-    dtype = config.dtype if dtype is None else dtype
     shape = (batch_size, config.num_kv_heads, sequence_len, config.key_size)
-    zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731 - one fresh buffer per leaf
+    zeros = lambda: kv_zeros(shape, config.dtype if dtype is None else dtype)  # noqa: E731 - a fresh buffer a leaf
     return KVMemory(
         k=tuple(zeros() for _ in range(config.num_layers)),
         v=tuple(zeros() for _ in range(config.num_layers)),
         step=jnp.zeros((batch_size,), jnp.int32),
     )
+
+
+def kv_zeros(shape, dtype):
+    """Zeroed K (or V) of ``shape [..., H]`` in ``dtype`` (one of ``KV_DTYPES``)."""
+    name = jnp.dtype(dtype).name
+    if name not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {dtype!r}")
+    if name == "int8":
+        return QuantizedKV(values=jnp.zeros(shape, jnp.int8), scales=jnp.zeros((*shape[:-1], 1), jnp.float32))
+    return jnp.zeros(shape, dtype)
+

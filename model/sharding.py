@@ -122,6 +122,7 @@ def memory_specs(memory, rules: dict | None = None, mesh: Mesh | None = None):
     step = spec_for(KV_MEMORY_AXES[:1], rules)
     if mesh is not None:
         check_divisible("KVMemory.k", memory.k[0].shape, kv, mesh)
-    return type(memory)(k=tuple(kv for _ in memory.k), v=tuple(kv for _ in memory.v), step=step)
+    return type(memory)(k=jax.tree_util.tree_map(lambda _: kv, memory.k),  # an int8 record: both leaves
+                        v=jax.tree_util.tree_map(lambda _: kv, memory.v), step=step)
 
 

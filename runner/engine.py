@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
-from model.memory import KVMemory, new_memory
+from model.memory import KV_DTYPES, KVMemory, kv_zeros, new_memory
 from model.sharding import (DEFAULT_RULES, KV_MEMORY_AXES, activation_sharding, make_mesh, memory_specs,
                             param_shardings, spec_for)
 from model.transformer import LanguageModel
@@ -62,6 +62,10 @@ class ModelRunner:
     # dequantised once at load: XLA:CPU runs bf16/int8 matmuls 20-40x slower than fp32 (DESIGN.md).
     dtype: str | None = None
     dequantize: bool | None = None  # int8 -> float at load; default: on CPU only
+    # What the KV cache (and the prefix pool) holds: None, the activations' dtype; "int8", int8
+    # values and a float32 scale a token and KV head (model.memory.QuantizedKV): 3.8x the tokens
+    # of a float32 cache in the same bytes at key_size 64, at a bounded error (README).
+    kv_dtype: str | None = None
     # Where the operations run (backends/): "xla" (pure JAX, any mesh), "cpu" (one CPU device, every
     # C++ kernel; ValueError where it cannot run), or "auto": the CPU backend on one CPU device
     # with each kernel taken only where measured faster than XLA's op on this CPU, XLA elsewhere.
@@ -84,6 +88,8 @@ class ModelRunner:
         self.prefix_blocks, self.prefix_block_size = prefix_blocks, prefix_block_size
         if self.backend not in BACKENDS:
             raise ValueError(f"ModelRunner.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"ModelRunner.kv_dtype must be None or one of {KV_DTYPES}, got {self.kv_dtype!r}")
         self.mesh = mesh or self.mesh or make_mesh((1, 1), jax.devices()[:1])
         self.rules = DEFAULT_RULES if self.rules is None else self.rules
         start(self.backend, self.mesh)  # the kernels' compiler runs while the checkpoint is restored
@@ -102,9 +108,10 @@ class ModelRunner:
         elif prefix_bytes and not prefix_blocks:
             self.prefix_blocks = prefix_bytes // self.prefix_block_bytes()
         self.selection = choose(self.backend, self.mesh, self.model, self.params, self.batch_size,
-                                        self.calibration_tokens)
+                                self.calibration_tokens, self.kv_dtype)
         for line in self.selection.report().splitlines():
             log.info("%s", line)
+        log.info("%s", self.kv_report())
         # shardings of the canonical parameters; the backend's layout is derived from them in place
         self.param_shardings = param_shardings(self.params, self.mesh, self.rules)
         self.params = self.selection.backend.prepare(jax.device_put(self.params, self.param_shardings))
@@ -112,12 +119,18 @@ class ModelRunner:
 
     def prefix_block_bytes(self) -> int:
         """Bytes of one prefix pool block: K and V of every layer over ``prefix_block_size`` positions."""
-        return self.model.kv_bytes_per_token() * self.prefix_block_size
+        return self.model.kv_bytes_per_token(self.kv_dtype) * self.prefix_block_size
 
     def backend_report(self) -> str:
         """The backend and why; for the CPU backend one line per kernel: taken or XLA's op, and the
         measured ratio or the reason."""
         return self.selection.report()
+
+    def kv_report(self) -> str:
+        """One line: what the KV cache (and the prefix pool) holds, and its bytes a token."""
+        kv = jnp.dtype(self.model.dtype if self.kv_dtype is None else self.kv_dtype).name
+        scales = " (int8 values and a float32 scale a token and KV head)" if kv == "int8" else ""
+        return f"KV cache: {kv}, {self.model.kv_bytes_per_token(kv):,} bytes a token{scales}"
 
     def _restore(self) -> None:
         from checkpoints import restore
@@ -158,8 +171,15 @@ class ModelRunner:
         if not self.prefix_blocks:
             return None
         block = self._named(P(None, *spec_for(KV_MEMORY_AXES[1:], self.rules)))
-        layers = self.model.num_layers
-        return PrefixPool(k=(block,) * layers, v=(block,) * layers)
+        shape = jax.eval_shape(self._new_pool)
+        return jax.tree_util.tree_map(lambda _: block, shape)
+
+    def _new_pool(self) -> PrefixPool:
+        c = self.model
+        shape = (self.prefix_blocks, c.num_kv_heads, self.prefix_block_size, c.key_size)
+        dtype = c.dtype if self.kv_dtype is None else self.kv_dtype
+        return PrefixPool(k=tuple(kv_zeros(shape, dtype) for _ in range(c.num_layers)),
+                          v=tuple(kv_zeros(shape, dtype) for _ in range(c.num_layers)))
 
     # ---- the four functions ------------------------------------------------------------------
     def _build(self) -> None:
@@ -173,7 +193,7 @@ class ModelRunner:
 
         sampler = backend
         params_sh = jax.tree_util.tree_map(lambda a: a.sharding, self.params)  # the backend's layout, placed
-        abstract_memory = jax.eval_shape(lambda: new_memory(config, b))
+        abstract_memory = jax.eval_shape(lambda: new_memory(config, b, dtype=self.kv_dtype))
         state_sh = self.state_shardings(abstract_memory)
         replicated = self._named(P())
         out_sh = SampleOutput(*(replicated for _ in range(4)))
@@ -182,18 +202,13 @@ class ModelRunner:
             return apply({"params": params}, tokens, None, lengths).logits
 
         def _new_memory():
-            return new_memory(config, b)
-
-        def _new_pool():
-            shape = (self.prefix_blocks, config.num_kv_heads, self.prefix_block_size, config.key_size)
-            return PrefixPool(k=tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers)),
-                              v=tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers)))
+            return new_memory(config, b, dtype=self.kv_dtype)
 
         rows = jax.tree_util.tree_map(lambda _: replicated, PrefillBatch(*range(len(dataclasses.fields(PrefillBatch)))))
         step_out_sh = DecodeOutput(out_sh, replicated, replicated)
         self.forward = jax.jit(forward, in_shardings=(params_sh, None, None))
         self.new_memory = jax.jit(_new_memory, out_shardings=state_sh.memory)
-        self.new_pool = jax.jit(_new_pool, out_shardings=state_sh.pool) if self.prefix_blocks else None
+        self.new_pool = jax.jit(self._new_pool, out_shardings=state_sh.pool) if self.prefix_blocks else None
         # One jitted function per static setting (KV length, or KV length x steps), each with
         # explicit shardings (a prefill's is also compiled per shape of its batch); made on first
         # use, which warm-up does for every variant the scheduler can ask for.
@@ -273,7 +288,7 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
         return jnp.take(full[:, :, :kv_len], slots, axis=0, mode="fill", fill_value=0)
 
     step = jnp.take(memory.step, slots, mode="fill", fill_value=0)
-    k, v = tuple(map(rows, memory.k)), tuple(map(rows, memory.v))
+    k, v = jax.tree_util.tree_map(rows, (memory.k, memory.v))  # arrays, or int8 records (QuantizedKV)
     if state.pool is not None:  # a first chunk after a cached prefix starts from its blocks
         k, v = read_prefix(state.pool, batch, k, v, kv_len)
     sub = KVMemory(k=k, v=v, step=jnp.where(batch.reset, batch.cached, step))
@@ -289,8 +304,8 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
     def put(full, new):
         return full.at[slots, :, :kv_len].set(new.astype(full.dtype), mode="drop")
 
-    memory = KVMemory(k=tuple(map(put, memory.k, out.memory.k)), v=tuple(map(put, memory.v, out.memory.v)),
-                      step=memory.step.at[slots].set(out.memory.step, mode="drop"))
+    k, v = jax.tree_util.tree_map(put, (memory.k, memory.v), (out.memory.k, out.memory.v))
+    memory = KVMemory(k=k, v=v, step=memory.step.at[slots].set(out.memory.step, mode="drop"))
     keys, sample_keys, settings = _seeded(batch)
     # Only a request's last chunk samples: a call of middle chunks never draws or summarises.
     # (The logits are also returned: a request with the same prompt forks from them, ``fork``.)
@@ -318,7 +333,7 @@ def read_prefix(pool: PrefixPool, batch: PrefillBatch, k_rows, v_rows, kv_len: i
         return jnp.where(hit_PS[:, None, :, None], got_PKSH.astype(rows_PKSH.dtype), rows_PKSH)
 
     def read():
-        return tuple(map(one, pool.k, k_rows)), tuple(map(one, pool.v, v_rows))
+        return jax.tree_util.tree_map(one, (pool.k, pool.v), (k_rows, v_rows))
 
     return jax.lax.cond(jnp.any(batch.cached > 0), read, lambda: (k_rows, v_rows))
 
@@ -336,7 +351,8 @@ def save_prefix(pool: PrefixPool, batch: PrefillBatch, rows: KVMemory, kv_len: i
         return pool_NKbH.at[to].set(blocks.reshape(p * nb, k, pool.block_size, h).astype(pool_NKbH.dtype),
                                     mode="drop")
 
-    return PrefixPool(k=tuple(map(one, pool.k, rows.k)), v=tuple(map(one, pool.v, rows.v)))
+    k, v = jax.tree_util.tree_map(one, (pool.k, pool.v), (rows.k, rows.v))
+    return PrefixPool(k=k, v=v)
 
 
 def _seeded(batch: PrefillBatch):
@@ -365,7 +381,7 @@ def fork(sampler, state: DecodeState, logits_BV, row, source, batch: PrefillBatc
     def copy(full):
         return full.at[dst].set(full[source])
 
-    memory = KVMemory(k=tuple(map(copy, memory.k)), v=tuple(map(copy, memory.v)), step=copy(memory.step))
+    memory = jax.tree_util.tree_map(copy, memory)
     keys, sample_keys, settings = _seeded(batch)
     first = sample_token(logits_BV[row][None], settings, sample_keys, sampler)
     return _start(state.replace(memory=memory), batch, first, keys)

@@ -210,6 +210,10 @@ class InferenceRunner:
         """Which backend runs the model and why (``ModelRunner.backend_report``)."""
         return self.runner.backend_report()
 
+    def kv_report(self) -> str:
+        """What the KV cache holds (``ModelRunner.kv_report``)."""
+        return self.runner.kv_report()
+
     def prefix_cache_counts(self) -> tuple[int, int]:
         """(prompt tokens looked up in the prefix cache, tokens found there) since start."""
         prefix = self.scheduler.prefix

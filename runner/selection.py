@@ -44,8 +44,10 @@ def start(requested: str, mesh) -> None:
         build.prebuild()
 
 
-def choose(requested: str, mesh, config, params, batch: int, calibration_tokens: int | None = None) -> Selection:
-    """The backend for ``config`` and its canonical ``params`` served on ``mesh`` with ``batch`` slots.
+def choose(requested: str, mesh, config, params, batch: int, calibration_tokens: int | None = None,
+           kv_dtype=None) -> Selection:
+    """The backend for ``config`` and its canonical ``params`` served on ``mesh`` with ``batch`` slots
+    and a KV cache of ``kv_dtype`` (default: the activations').
 
     - ``"xla"``: pure JAX, on any mesh.
     - ``"cpu"``: one CPU device and every C++ kernel; ``ValueError`` saying why where that cannot
@@ -84,6 +86,9 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
         needs["moe"].append(f"float32 experts, and these are {', '.join(held)} (dequantize=True converts int8 at load)")
     if not decode_attention_fits(c.num_q_heads, c.num_kv_heads, c.key_size):
         needs["attention"].append(f"head sizes up to {MAX_HEAD} and at most {MAX_GROUP} query heads a KV head")
+    kv_dtype = jnp.dtype(c.dtype if kv_dtype is None else kv_dtype).name
+    if kv_dtype not in ("float32", "int8"):
+        needs["attention"].append(f"a float32 or int8 KV cache (it is {kv_dtype})")
     if requested == "cpu":
         blocked = {op: why for op, why in needs.items() if why}
         if blocked:
@@ -95,7 +100,7 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
     to_measure = [op for op in OPERATIONS if op not in choices]
     if to_measure:
         tokens = calibration_tokens or min(256, c.sequence_len)
-        choices.update(calibration.calibrate(to_measure, c, batch, tokens, tokens))
+        choices.update(calibration.calibrate(to_measure, c, batch, tokens, tokens, kv_dtype=kv_dtype))
     choices = {op: choices[op] for op in OPERATIONS}
     on = frozenset(op for op, choice in choices.items() if choice.kernel)
     return Selection(CPU(on=on), "auto: one CPU device; each kernel where measured faster here", choices)

@@ -274,6 +274,35 @@ def test_decode_attention_equals_the_softmax_over_allowed_keys(b, n, kv, h, s_ma
     assert not np.asarray(panel.decode_attention(q, k, v, mask, 0.125, 30.0))[0].any()
 
 
+@needs_kernel
+@pytest.mark.parametrize("b, n, kv, h, s_max, s", [(3, 8, 2, 64, 40, 33), (1, 6, 1, 128, 300, 257), (2, 4, 2, 7, 9, 9)])
+def test_decode_attention_reads_an_int8_cache_as_its_dequantised_values(b, n, kv, h, s_max, s):
+    """The int8 kernel applies each key's scale to its logit and each value's to its weight: the
+    attention over the dequantised cache, as XLA's op computes it from the same record."""
+    from backends.xla import attend
+    from model import quantize_kv
+
+    rng = np.random.default_rng(s)
+    q = rng.standard_normal((b, n, h)).astype(np.float32) * 20
+    k, v = (quantize_kv(jnp.asarray(rng.standard_normal((b, kv, s_max, h)) * rng.uniform(0.1, 3, (b, kv, s_max, 1)),
+                                    jnp.float32)) for _ in range(2))
+    k = k.replace(scales=k.scales.at[0, 0, 1].set(0.0))  # an all-zero key: scale 0
+    mask = rng.random((b, s)) < 0.7
+    mask[:, 0] = True
+    got = jax.jit(panel.decode_attention_int8, static_argnums=(4, 5))(q, k, v, mask, 0.125, 30.0)
+    want = _attention_reference(q, np.asarray(k.astype(jnp.float32)), np.asarray(v.astype(jnp.float32)), mask, 0.125, 30.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    xla = attend(jnp.asarray(q)[:, None], k, v, jnp.asarray(mask)[:, None], 0.125, 30.0)[:, 0]
+    np.testing.assert_allclose(xla, want, rtol=1e-5, atol=1e-5)
+    # positions past S are never read
+    poisoned = [x.replace(scales=x.scales.at[:, :, s:].set(np.nan)) for x in (k, v)]
+    np.testing.assert_array_equal(panel.decode_attention_int8(q, *poisoned, mask, 0.125, 30.0), got)
+    with pytest.raises(ValueError, match="int8 values with float32 scales"):
+        panel.decode_attention_int8(q, k.replace(values=k.values.astype(jnp.int32)), v, mask, 1.0, 30.0)
+    with pytest.raises(ValueError, match="do not match"):
+        panel.decode_attention_int8(q, k.replace(scales=k.scales[..., 0]), v, mask, 1.0, 30.0)
+
+
 def test_decode_attention_rejects_what_it_cannot_do():
     q, k, mask = jnp.zeros((2, 8, 64)), jnp.zeros((2, 2, 16, 64)), jnp.ones((2, 16), bool)
     with pytest.raises(ValueError, match="float32 only"):

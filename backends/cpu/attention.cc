@@ -1,16 +1,23 @@
 // One decode step of Grok-1's grouped-query attention read straight from the KV cache, as an
-// XLA FFI custom call (CPU, float32).
+// XLA FFI custom call (CPU, float32 queries; float32 caches, or int8 ones with a float32 scale a
+// position and KV head).
 //
 //   q [B, N, H], caches k, v [B, K, S_max, H], mask [B, S] (S <= S_max)  ->  out [B, N, H]
 //   out[b, n] = sum_s p[s] v[b, n / G, s]  over the keys s < S that mask[b] allows, with
 //   p = softmax(cap * tanh(scale * q[b, n] . k[b, n / G, s] / cap))   (G = N / K query heads a KV head)
+//   int8: k[b, j, s] = k_int8[b, j, s] * k_scale[b, j, s] (the same for v); the scale of a key
+//   multiplies its logit after the dot, that of a value its weight, so the int8 rows are
+//   converted in registers and never written back as floats (4x fewer bytes read than float32).
 //
 // Why (BENCHMARKS.md): XLA:CPU copies the first S positions out of each cache (a slice of a
 // strided array) before its dots, one copy of K and one of V a layer and step, which took 5-9 ms
 // of a 52 ms batch-32 step. Here each (row, KV head) is one task that reads its keys and
 // values in place, once, for all G query heads. Masked keys are skipped: their weight is
 // exactly zero, as XLA's -1e30 logit gives; a row with no key allowed gets zeros.
+#include <immintrin.h>
+
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -33,21 +40,70 @@ inline v16 tanh_(v16 x) {
 
 constexpr int kMaxHeadsPerKv = 16, kMaxHeadDim = 128;
 
+// The per-key work runs on the target's own vectors (``vec``: 8 floats with AVX2, 16 with AVX-512):
+// 16-float vectors are split by GCC into halves kept on the stack on AVX2, which made this kernel
+// slower than XLA there (BENCHMARKS.md). An int8 row is sign-extended and converted a register at
+// a time.
+typedef int8_t bytes_vec __attribute__((vector_size(kLanes)));
+
+inline vec load_lanes(const float* p) { return load_vec(p); }
+inline vec load_lanes(const int8_t* p) {
+#if defined(__AVX512F__)
+  __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  bytes_vec x8;
+  std::memcpy(&x8, p, sizeof x8);
+  vec x = __builtin_convertvector(x8, vec);  // GCC scalarises this one on AVX2: the intrinsics above
+#endif
+  vec v;
+  std::memcpy(&v, &x, sizeof v);
+  return v;
+}
+template <typename T>
+inline vec load_lanes_part(const T* p, int64_t count) {
+  T part[kLanes] = {};
+  std::memcpy(part, p, count * sizeof(T));
+  return load_lanes(part);
+}
+
+inline float sum_lanes(vec v) {
+#if defined(__AVX512F__)
+  v16 w;
+  std::memcpy(&w, &v, sizeof w);
+  return sum(w);
+#else
+  v4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (a[0] + a[2]) + (a[1] + a[3]);
+#endif
+}
+
+// T: the caches' element type, float or int8_t (then k_scale, v_scale [B, K, S_max] are read).
+template <typename T>
 struct Attention {
-  const float *q, *k, *v;
+  const float* q;
+  const T *k, *v;
+  const float *k_scale, *v_scale;  // int8 only
   const bool* mask;
   float* out;
   int64_t kv_heads, group, s_max, s, h;
   float scale, cap;
 
-  // Row b, KV head j: its G query heads against keys 0 .. S-1 that the mask allows. HV = ceil(H / 16)
+  static constexpr bool kScaled = !std::is_same<T, float>::value;
+
+  // Row b, KV head j: its G query heads against keys 0 .. S-1 that the mask allows. HV = ceil(H / kLanes)
   // vectors a head (a compile-time count, so one head's accumulators stay in registers).
   template <int HV>
   void task(int64_t b, int64_t j) const {
-    const int64_t g_count = group, tail = h % 16;  // the last vector's lanes in use (0: all 16)
-    auto row = [tail](const float* p, int c) { return c == HV - 1 && tail ? load_part(p + 16 * c, tail) : load(p + 16 * c); };
-    const float* keys = k + (b * kv_heads + j) * s_max * h;
-    const float* values = v + (b * kv_heads + j) * s_max * h;
+    const int64_t g_count = group, tail = h % kLanes;  // the last vector's lanes in use (0: all)
+    auto lanes = [tail](const auto* p, int c) {
+      return c == HV - 1 && tail ? load_lanes_part(p + kLanes * c, tail) : load_lanes(p + kLanes * c);
+    };
+    const T* keys = k + (b * kv_heads + j) * s_max * h;
+    const T* values = v + (b * kv_heads + j) * s_max * h;
+    const float* key_scales = kScaled ? k_scale + (b * kv_heads + j) * s_max : nullptr;
+    const float* value_scales = kScaled ? v_scale + (b * kv_heads + j) * s_max : nullptr;
     const float* query = q + (b * kv_heads + j) * group * h;  // heads j*G .. j*G+G-1 are contiguous
     const bool* allowed = mask + b * s;
     thread_local std::vector<int32_t> keep;  // the allowed positions, in order
@@ -65,37 +121,66 @@ struct Attention {
     float* lg = logits.data();
     // q.k for the G heads: each key row is read once, and its value row fetched for the pass below
     for (int64_t i = 0; i < n; ++i) {
-      const float* kr = keys + int64_t(keep[i]) * h;
+      const T* kr = keys + int64_t(keep[i]) * h;
       const char* vr = reinterpret_cast<const char*>(values + int64_t(keep[i]) * h);
-      for (int64_t line = 0; line < h * int64_t(sizeof(float)); line += 64) __builtin_prefetch(vr + line);
+      for (int64_t line = 0; line < h * int64_t(sizeof(T)); line += 64) __builtin_prefetch(vr + line);
       if (i + 8 < n) {
         const char* ahead = reinterpret_cast<const char*>(keys + int64_t(keep[i + 8]) * h);
-        for (int64_t line = 0; line < h * int64_t(sizeof(float)); line += 64) __builtin_prefetch(ahead + line);
+        for (int64_t line = 0; line < h * int64_t(sizeof(T)); line += 64) __builtin_prefetch(ahead + line);
       }
-      v16 key[HV];
-      for (int c = 0; c < HV; ++c) key[c] = row(kr, c);
-      for (int64_t g = 0; g < g_count; ++g) {
+      vec key[HV];
+      for (int c = 0; c < HV; ++c) key[c] = lanes(kr, c);
+      const float key_scale = kScaled ? key_scales[keep[i]] : 1.0f;
+      int64_t g = 0;
+      for (; g + 4 <= g_count; g += 4) {  // four heads at once: four independent chains of FMAs
         const float* qg = query + g * h;
-        v16 acc = row(qg, 0) * key[0];
-        for (int c = 1; c < HV; ++c) acc += row(qg, c) * key[c];
-        lg[g * padded + i] = sum(acc);
+        vec a0{}, a1{}, a2{}, a3{};
+        for (int c = 0; c < HV; ++c) {
+          a0 += lanes(qg, c) * key[c];
+          a1 += lanes(qg + h, c) * key[c];
+          a2 += lanes(qg + 2 * h, c) * key[c];
+          a3 += lanes(qg + 3 * h, c) * key[c];
+        }
+        lg[g * padded + i] = sum_lanes(a0) * key_scale;
+        lg[(g + 1) * padded + i] = sum_lanes(a1) * key_scale;
+        lg[(g + 2) * padded + i] = sum_lanes(a2) * key_scale;
+        lg[(g + 3) * padded + i] = sum_lanes(a3) * key_scale;
+      }
+      for (; g < g_count; ++g) {
+        const float* qg = query + g * h;
+        vec acc{};
+        for (int c = 0; c < HV; ++c) acc += lanes(qg, c) * key[c];
+        lg[g * padded + i] = sum_lanes(acc) * key_scale;
       }
     }
-    // out[g] = sum_i p[g][i] v[keep[i]] / sum_i p[g][i], one head at a time (the value rows are in
-    // cache by now)
-    for (int64_t g = 0; g < g_count; ++g) {
-      float* p = lg + g * padded;
-      const float inv = 1.0f / exp_logits(p, n, padded);
-      v16 acc[HV] = {};
-      for (int64_t i = 0; i < n; ++i) {
-        const float* vr = values + int64_t(keep[i]) * h;
-        for (int c = 0; c < HV; ++c) acc[c] += p[i] * row(vr, c);
+    // out[g] = sum_i p[g][i] v[keep[i]] / sum_i p[g][i], over blocks of keys whose value rows fit
+    // in L1 (16 KiB), each block read once for all G heads: at long contexts a head's pass over all
+    // the values would evict them before the next head's. An int8 value's scale multiplies its weight.
+    float inv[kMaxHeadsPerKv];
+    for (int64_t g = 0; g < g_count; ++g) inv[g] = 1.0f / exp_logits(lg + g * padded, n, padded);
+    thread_local std::vector<vec> sums;  // [G, HV]: each head's running sums between blocks
+    sums.assign(g_count * HV, vec{});
+    const int64_t block = std::max<int64_t>(16, (16 << 10) / (h * int64_t(sizeof(T))));
+    for (int64_t start = 0; start < n; start += block) {
+      const int64_t end = std::min(n, start + block);
+      for (int64_t g = 0; g < g_count; ++g) {
+        const float* p = lg + g * padded;
+        vec acc[HV];
+        for (int c = 0; c < HV; ++c) acc[c] = sums[g * HV + c];
+        for (int64_t i = start; i < end; ++i) {
+          const T* vr = values + int64_t(keep[i]) * h;
+          const float weight = kScaled ? p[i] * value_scales[keep[i]] : p[i];
+          for (int c = 0; c < HV; ++c) acc[c] += weight * lanes(vr, c);
+        }
+        for (int c = 0; c < HV; ++c) sums[g * HV + c] = acc[c];
       }
+    }
+    for (int64_t g = 0; g < g_count; ++g) {
       float* og = o + g * h;
       for (int c = 0; c < HV; ++c) {
-        acc[c] *= inv;
-        if (c == HV - 1 && tail) std::memcpy(og + 16 * c, &acc[c], tail * sizeof(float));
-        else store(og + 16 * c, acc[c]);
+        vec x = sums[g * HV + c] * inv[g];
+        if (c == HV - 1 && tail) std::memcpy(og + kLanes * c, &x, tail * sizeof(float));
+        else store_vec(og + kLanes * c, x);
       }
     }
   }
@@ -125,7 +210,7 @@ struct Attention {
   }
 
   void task(int64_t b, int64_t j) const {
-    switch ((h + 15) / 16) {
+    switch ((h + kLanes - 1) / kLanes) {  // H <= 128 (checked by the caller): at most 16 vectors
       case 1: return task<1>(b, j);
       case 2: return task<2>(b, j);
       case 3: return task<3>(b, j);
@@ -133,14 +218,23 @@ struct Attention {
       case 5: return task<5>(b, j);
       case 6: return task<6>(b, j);
       case 7: return task<7>(b, j);
-      default: return task<8>(b, j);  // H <= 128 (checked by the caller)
+      case 8: return task<8>(b, j);
+      case 9: return task<9>(b, j);
+      case 10: return task<10>(b, j);
+      case 11: return task<11>(b, j);
+      case 12: return task<12>(b, j);
+      case 13: return task<13>(b, j);
+      case 14: return task<14>(b, j);
+      case 15: return task<15>(b, j);
+      default: return task<16>(b, j);
     }
   }
 };
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, float scale, float cap,
-                           ffi::ResultBuffer<ffi::F32> out) {
+// The shapes both handlers take; an error says what they must be.
+template <typename KV>
+ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& q, const KV& k, const KV& v, const ffi::Buffer<ffi::PRED>& mask,
+                       ffi::ResultBuffer<ffi::F32>& out) {
   auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions();
   auto same = [](auto a, auto b) { return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin()); };
   if (qd.size() != 3 || kd.size() != 4 || md.size() != 2 || !same(v.dimensions(), kd) || !same(out->dimensions(), qd))
@@ -150,9 +244,40 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
       heads % kv_heads != 0 || heads / kv_heads > kMaxHeadsPerKv || h > kMaxHeadDim)
     return ffi::Error::InvalidArgument(
         "decode_attention: shapes do not match, or G > 16 query heads a KV head, or H > 128");
-  Attention a{q.typed_data(), k.typed_data(), v.typed_data(), mask.typed_data(), out->typed_data(),
-              kv_heads, heads / kv_heads, kd[2], md[1], h, scale, cap};
-  ParallelFor(pool, batch * kv_heads, [&](int64_t t) { a.task(t / kv_heads, t % kv_heads); });
+  return ffi::Error::Success();
+}
+
+template <typename T>
+void Run(ffi::ThreadPool& pool, const Attention<T>& a, int64_t batch) {
+  ParallelFor(pool, batch * a.kv_heads, [&](int64_t t) { a.task(t / a.kv_heads, t % a.kv_heads); });
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, float scale, float cap,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  if (auto error = CheckShapes(q, k, v, mask, out); error.failure()) return error;
+  auto qd = q.dimensions(), kd = k.dimensions();
+  Attention<float> a{q.typed_data(), k.typed_data(), v.typed_data(), nullptr, nullptr, mask.typed_data(),
+                     out->typed_data(), kd[1], qd[1] / kd[1], kd[2], mask.dimensions()[1], qd[2], scale, cap};
+  Run(pool, a, qd[0]);
+  return ffi::Error::Success();
+}
+
+// The int8 cache: values k, v [B, K, S_max, H] int8 and their scales [B, K, S_max, 1] float32.
+ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
+                               ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> v_scale,
+                               ffi::Buffer<ffi::PRED> mask, float scale, float cap, ffi::ResultBuffer<ffi::F32> out) {
+  if (auto error = CheckShapes(q, k, v, mask, out); error.failure()) return error;
+  auto qd = q.dimensions(), kd = k.dimensions();
+  for (auto* s : {&k_scale, &v_scale}) {
+    auto sd = s->dimensions();
+    if (sd.size() != 4 || sd[0] != kd[0] || sd[1] != kd[1] || sd[2] != kd[2] || sd[3] != 1)
+      return ffi::Error::InvalidArgument("decode_attention_int8: scales must be [B, K, S_max, 1] like k and v");
+  }
+  Attention<int8_t> a{q.typed_data(), k.typed_data(), v.typed_data(), k_scale.typed_data(), v_scale.typed_data(),
+                      mask.typed_data(), out->typed_data(), kd[1], qd[1] / kd[1], kd[2], mask.dimensions()[1], qd[2],
+                      scale, cap};
+  Run(pool, a, qd[0]);
   return ffi::Error::Success();
 }
 
@@ -163,6 +288,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(decode_attention, DecodeAttention,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(decode_attention_int8, DecodeAttentionInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Attr<float>("scale")

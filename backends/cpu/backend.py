@@ -16,7 +16,7 @@ OPERATIONS = ("moe", "projections", "unembed", "attention", "sampling_cut", "log
 class CPU(XLA):
     """XLA's operations on one CPU device, except those in ``on``, which run on the C++ kernels
     (``backends/cpu/ops.py``): ``moe`` (the grouped panel matmul), ``projections`` and ``unembed``
-    (the panel matmul), ``attention`` (a decode step read in place from float32 caches),
+    (the panel matmul), ``attention`` (a decode step read in place from float32 or int8 caches),
     ``sampling_cut`` and ``logits_summary``. ``prepare`` splits the experts per expert (or packs
     them in panels with ``moe``), and packs the weights of the other panel operations."""
 
@@ -63,12 +63,16 @@ class CPU(XLA):
 
     def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap):
         b, t, n, h = q_BTNH.shape
-        if ("attention" in self.on and t == 1 and k_BKSH.dtype == jnp.float32
-                and ops.decode_attention_fits(n, k_BKSH.shape[1], h)):
-            # a decode step read in place from the caches (XLA copies the attended positions first)
-            out_BNH = ops.decode_attention(q_BTNH[:, 0].astype(jnp.float32), k_BKSH, v_BKSH, mask_BTS[:, 0],
-                                           scale, cap)
-            return out_BNH[:, None].astype(q_BTNH.dtype)
+        if "attention" in self.on and t == 1 and ops.decode_attention_fits(n, k_BKSH.shape[1], h):
+            # a decode step read in place from the caches (XLA copies the attended positions
+            # first, and dequantises an int8 cache into a float copy)
+            q_BNH = q_BTNH[:, 0].astype(jnp.float32)
+            if k_BKSH.dtype == jnp.float32:
+                out_BNH = ops.decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BTS[:, 0], scale, cap)
+                return out_BNH[:, None].astype(q_BTNH.dtype)
+            if k_BKSH.dtype == jnp.int8:  # an int8 record (model.memory.QuantizedKV)
+                out_BNH = ops.decode_attention_int8(q_BNH, k_BKSH, v_BKSH, mask_BTS[:, 0], scale, cap)
+                return out_BNH[:, None].astype(q_BTNH.dtype)
         return attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap)
 
     def sampling_cut(self, scaled_BV, top_k_B, nucleus_p_B):

@@ -34,6 +34,7 @@ HEADERS = (HERE / "kernels.h",)
 MATMUL = "grok_runner_panel_matmul"
 GROUPED = "grok_runner_grouped_panel_matmul"
 ATTENTION = "grok_runner_decode_attention"
+ATTENTION_INT8 = "grok_runner_decode_attention_int8"
 FILTER = "grok_runner_sampling_threshold"
 SUMMARY = "grok_runner_logits_summary"
 
@@ -101,7 +102,7 @@ def _build_once() -> str | None:
                 return why_not
         library = ctypes.cdll.LoadLibrary(str(lib))
         handlers = {MATMUL: library.panel_matmul, GROUPED: library.grouped_panel_matmul,
-                    ATTENTION: library.decode_attention, FILTER: library.sampling_threshold,
+                    ATTENTION: library.decode_attention, ATTENTION_INT8: library.decode_attention_int8, FILTER: library.sampling_threshold,
                     SUMMARY: library.logits_summary}
     except (OSError, AttributeError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash, bad library
         return f"building or loading {lib} failed: {e}"

@@ -47,6 +47,7 @@ from backends.cpu import build, layout
 from backends.cpu.backend import CPU, OPERATIONS
 from model.config import ModelConfig
 from model.layers import moe
+from model.memory import quantize_kv
 
 log = logging.getLogger("grok_runner")
 
@@ -175,14 +176,16 @@ def _unembed(config: ModelConfig, rows: int, rng):
     return x, (one, [layout.PanelTable.of(table)]), (one, [jnp.asarray(table)])
 
 
-def _attention(config: ModelConfig, batch: int, kv_len: int, rng):
+def _attention(config: ModelConfig, batch: int, kv_len: int, rng, kv_dtype: str = "float32"):
     c = config
     n, k, h = c.num_q_heads, c.num_kv_heads, c.key_size
     # Caches of the model's full length, attended over their first kv_len positions, as a decode
-    # step does: XLA copies those positions out of each cache first, the kernel reads them in place.
+    # step does: XLA copies those positions out of each cache first (and dequantises an int8
+    # one), the kernel reads them in place.
     length = c.sequence_len
-    layers = _layers(c, 2 * batch * k * length * h * 4)
-    caches = [tuple(jnp.asarray(_normal(rng, (batch, k, length, h), 1.0)) for _ in range(2)) for _ in range(layers)]
+    layers = _layers(c, 2 * batch * k * length * h * (1 if kv_dtype == "int8" else 4))
+    cache = (lambda x: quantize_kv(jnp.asarray(x))) if kv_dtype == "int8" else jnp.asarray  # noqa: E731
+    caches = [tuple(cache(_normal(rng, (batch, k, length, h), 1.0)) for _ in range(2)) for _ in range(layers)]
     mask_BTS = (jnp.arange(kv_len)[None, :] < jnp.full((batch, 1), kv_len - kv_len // 4))[:, None]  # never full
 
     def way(backend):
@@ -209,7 +212,7 @@ def _sampling(config: ModelConfig, batch: int, rng, cut: bool):
     return logits, (way(kernel), [None]), (way(XLA_WAY), [None])
 
 
-def _shapes(operation: str, config: ModelConfig, batch: int, prefill_tokens: int, kv_len: int):
+def _shapes(operation: str, config: ModelConfig, batch: int, prefill_tokens: int, kv_len: int, kv_dtype: str):
     """(phase, rows, builder) for each shape ``operation`` is called with."""
     if operation in ("moe", "projections"):
         build = _moe if operation == "moe" else _projections
@@ -218,16 +221,17 @@ def _shapes(operation: str, config: ModelConfig, batch: int, prefill_tokens: int
     if operation == "unembed":
         return [("decode", batch, lambda rng: _unembed(config, batch, rng))]
     if operation == "attention":
-        return [("decode", batch, lambda rng: _attention(config, batch, kv_len, rng))]
+        return [("decode", batch, lambda rng: _attention(config, batch, kv_len, rng, kv_dtype))]
     cut = operation == "sampling_cut"
     return [("decode", batch, lambda rng: _sampling(config, batch, rng, cut))]
 
 
-def _key(operation: str, phase: str, rows: int, config: ModelConfig, kv_len: int) -> str:
+def _key(operation: str, phase: str, rows: int, config: ModelConfig, kv_len: int, kv_dtype: str) -> str:
     c = config
     dims = (f"D{c.emb_size} F{c.ffn_size} E{c.num_experts}k{c.num_selected_experts} N{c.num_q_heads} "
             f"K{c.num_kv_heads} H{c.key_size} V{c.vocab_size} L{c.num_layers}")
     extra = f" S{kv_len}/{c.sequence_len}" if operation == "attention" else ""
+    extra += " int8" if operation == "attention" and kv_dtype == "int8" else ""  # float32: the keys as before
     return f"{operation} {phase} rows{rows}{extra} {dims}"
 
 
@@ -297,10 +301,10 @@ def _write_cache(path: Path | None, entries: dict) -> None:
 
 
 def calibrate(operations, config: ModelConfig, batch: int, prefill_tokens: int, kv_len: int,
-              cache: bool = True) -> dict[str, Choice]:
+              cache: bool = True, kv_dtype: str = "float32") -> dict[str, Choice]:
     """A ``Choice`` per operation (names from ``OPERATIONS``), each measured at its shapes for
     ``config`` with ``batch`` slots, prefill chunks of ``prefill_tokens`` and decode attention over
-    ``kv_len`` cache positions; measured shapes come from (and go to) the cache beside the kernel
+    ``kv_len`` cache positions of ``kv_dtype`` ("float32" or "int8"); measured shapes come from (and go to) the cache beside the kernel
     library unless ``cache`` is False. The kernels must be available."""
     path = _cache_path() if cache else None
     entries = _read_cache(path)
@@ -308,8 +312,8 @@ def calibrate(operations, config: ModelConfig, batch: int, prefill_tokens: int, 
     for op in operations:
         if op not in OPERATIONS:
             raise ValueError(f"calibrate: unknown operation {op!r}, expected one of {OPERATIONS}")
-        for phase, rows, builder in _shapes(op, config, batch, prefill_tokens, kv_len):
-            key = _key(op, phase, rows, config, kv_len)
+        for phase, rows, builder in _shapes(op, config, batch, prefill_tokens, kv_len, kv_dtype):
+            key = _key(op, phase, rows, config, kv_len, kv_dtype)
             keyed.setdefault(op, []).append(key)
             if not (isinstance(entries.get(key), dict) and {"kernel_s", "xla_s"} <= entries[key].keys()):
                 todo.append((key, op, phase, rows, builder))

@@ -8,7 +8,8 @@ A weight ``w [K, N]`` is held as ``[ceil(N / 32), K, 32]``: panel p is columns `
 - ``grouped_matmul`` multiplies rows grouped by expert, each group by its own expert, in one call
   (the MoE): an expert no row chose is never read, and one with many rows is read once.
 - ``decode_attention`` is a decode step's attention read in place from the KV cache
-  (``attention.cc``): XLA:CPU copies the attended positions out of the cache first.
+  (``attention.cc``): XLA:CPU copies the attended positions out of the cache first;
+  ``decode_attention_int8`` reads an int8 cache and its scales the same way.
 - ``filter_threshold`` is the cut of top-k and top-p sampling found without sorting the
   vocabulary, and ``logits_summary`` a row's top tokens and log-normaliser in one pass
   (``sampling.cc``): XLA:CPU's sort made a top-p batch-32 step about 5x slower, and its top-8
@@ -136,6 +137,32 @@ def decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BS, scale: float, cap: float):
     build.require()
     call = jax.ffi.ffi_call(build.ATTENTION, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
     return call(q_BNH, k_BKSH, v_BKSH, mask_BS.astype(jnp.bool_), scale=np.float32(scale), cap=np.float32(cap))
+
+
+def decode_attention_int8(q_BNH, k, v, mask_BS, scale: float, cap: float):
+    """``decode_attention`` over an int8 cache read in place: ``k`` and ``v`` are int8 records
+    (``model.memory.QuantizedKV``: ``values [B, K, S_max, H]`` int8, ``scales [B, K, S_max, 1]``
+    float32). Each key's scale multiplies its logit after the dot, each value's its softmax
+    weight, so the int8 rows are converted in registers only: a quarter of float32's bytes read."""
+    b, n, h = q_BNH.shape
+    if (q_BNH.dtype != jnp.float32 or k.values.dtype != jnp.int8 or v.values.dtype != jnp.int8
+            or k.scales.dtype != jnp.float32 or v.scales.dtype != jnp.float32):
+        raise ValueError(f"decode_attention_int8 takes float32 queries and int8 values with float32 scales, got q "
+                         f"{q_BNH.dtype}, k {k.values.dtype}/{k.scales.dtype}, v {v.values.dtype}/{v.scales.dtype}")
+    shape = k.values.shape
+    if (len(shape) != 4 or v.values.shape != shape or shape[0] != b or shape[3] != h or mask_BS.ndim != 2
+            or mask_BS.shape[0] != b or mask_BS.shape[1] > shape[2] or n % shape[1]
+            or k.scales.shape != (*shape[:3], 1) or v.scales.shape != k.scales.shape):
+        raise ValueError(f"decode_attention_int8: q {q_BNH.shape}, k {shape} (scales {k.scales.shape}), v "
+                         f"{v.values.shape} (scales {v.scales.shape}) and mask {mask_BS.shape} do not match "
+                         "([B, N, H], [B, K, S_max, H] with [B, K, S_max, 1], [B, S <= S_max])")
+    if not decode_attention_fits(n, shape[1], h):
+        raise ValueError(f"decode_attention takes head sizes up to {MAX_HEAD} and at most {MAX_GROUP} query "
+                         f"heads a KV head, got H={h}, {n // shape[1]}")
+    build.require()
+    call = jax.ffi.ffi_call(build.ATTENTION_INT8, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
+    return call(q_BNH, k.values, k.scales, v.values, v.scales, mask_BS.astype(jnp.bool_), scale=np.float32(scale),
+                cap=np.float32(cap))
 
 
 def filter_threshold(scaled_BV, top_k_B, nucleus_p_B):
