@@ -22,7 +22,8 @@ decode call made as one chunk, so it is asked for ``logprobs: 0``), else one a c
 
 Servers: ``ours`` is ``python run.py serve`` of this tree, or of ``--ours-tree`` (a checkout of
 another commit, for before/after in one run), on a checkpoint written here; ``ours-nocache`` is
-this tree with its prefix cache off (``--prefix-cache-gb 0``). ``vllm`` and
+this tree with its prefix cache off (``--prefix-cache-gb 0``), ``ours-int8`` with an int8 KV cache
+(``--kv-dtype int8``, its prefix pool int8 too). ``vllm`` and
 ``llama`` run the scripts ``/tmp/peers/vllm.sh PORT`` and ``/tmp/peers/llama.sh PORT`` (how to
 set them up: BENCHMARKS.md, "Peers"); a server whose script is missing is skipped, and said so.
 """
@@ -193,7 +194,7 @@ def markdown(results: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", default="ours,vllm,llama",
-                   help="ours, ours-nocache, ours-before (with --ours-tree), vllm, llama; in this order")
+                   help="ours, ours-nocache, ours-int8, ours-before (with --ours-tree), vllm, llama; in this order")
     p.add_argument("--scenarios", default="rate1,burst32,long32,arrivals,prefix32")
     p.add_argument("--ours-tree", help="a checkout of another commit: served as ours-before")
     p.add_argument("--serve-args", default="", help="extra arguments of ours' serve (both trees)")
@@ -213,7 +214,7 @@ def main(argv=None) -> None:
     print(f"CPU: {results['cpu']}")
     for name in args.servers.split(","):
         port = free_port()
-        if name in ("ours", "ours-nocache", "ours-before"):
+        if name in ("ours", "ours-nocache", "ours-int8", "ours-before"):
             tree = args.ours_tree if name == "ours-before" else HERE
             if tree is None:
                 p.error("ours-before needs --ours-tree")
@@ -222,6 +223,8 @@ def main(argv=None) -> None:
                        "--max-waiting", "1000"] + args.serve_args.split()
             if name == "ours-nocache":
                 command += ["--prefix-cache-gb", "0"]
+            if name == "ours-int8":
+                command += ["--kv-dtype", "int8"]
             server = Server(name, f"http://127.0.0.1:{port}", "bench", {"logprobs": 0})
             env_tree = tree
         else:

@@ -137,7 +137,7 @@ class MultiHeadAttention(nn.Module):
             rows_BT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
             # a scatter that drops a padded position past sequence_len; an int8 cache quantises
             # the chunk's K/V as it writes them, so the chunk attends to them as rounded too
-            cache = (write_kv(cache[0], rows_BT, positions_BT, k_BTKH), write_kv(cache[1], rows_BT, positions_BT, v_BTKH))
+            cache = tuple(write_kv(full, rows_BT, positions_BT, new) for full, new in zip(cache, (k_BTKH, v_BTKH)))
             cache = jax.tree_util.tree_map(lambda x: constrain(x, CACHE), cache)  # never resharded
             k_BKSH, v_BKSH = cache
             # The backend attends to the first S positions only (S = the mask's length: a bucket

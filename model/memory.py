@@ -141,4 +141,3 @@ def kv_zeros(shape, dtype):
     if name == "int8":
         return QuantizedKV(values=jnp.zeros(shape, jnp.int8), scales=jnp.zeros((*shape[:-1], 1), jnp.float32))
     return jnp.zeros(shape, dtype)
-

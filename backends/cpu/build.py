@@ -102,8 +102,8 @@ def _build_once() -> str | None:
                 return why_not
         library = ctypes.cdll.LoadLibrary(str(lib))
         handlers = {MATMUL: library.panel_matmul, GROUPED: library.grouped_panel_matmul,
-                    ATTENTION: library.decode_attention, ATTENTION_INT8: library.decode_attention_int8, FILTER: library.sampling_threshold,
-                    SUMMARY: library.logits_summary}
+                    ATTENTION: library.decode_attention, ATTENTION_INT8: library.decode_attention_int8,
+                    FILTER: library.sampling_threshold, SUMMARY: library.logits_summary}
     except (OSError, AttributeError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash, bad library
         return f"building or loading {lib} failed: {e}"
     for name, handler in handlers.items():

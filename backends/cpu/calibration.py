@@ -304,8 +304,9 @@ def calibrate(operations, config: ModelConfig, batch: int, prefill_tokens: int, 
               cache: bool = True, kv_dtype: str = "float32") -> dict[str, Choice]:
     """A ``Choice`` per operation (names from ``OPERATIONS``), each measured at its shapes for
     ``config`` with ``batch`` slots, prefill chunks of ``prefill_tokens`` and decode attention over
-    ``kv_len`` cache positions of ``kv_dtype`` ("float32" or "int8"); measured shapes come from (and go to) the cache beside the kernel
-    library unless ``cache`` is False. The kernels must be available."""
+    ``kv_len`` cache positions of ``kv_dtype`` ("float32" or "int8"); measured shapes come from
+    (and go to) the cache beside the kernel library unless ``cache`` is False. The kernels must be
+    available."""
     path = _cache_path() if cache else None
     entries = _read_cache(path)
     todo, keyed = [], {}
