@@ -41,7 +41,6 @@ def _decode(params, tokens, *, config, prompt, kv_dtype, greedy=False, backend=N
     return jnp.concatenate([logits.transpose(1, 0, 2), last[:, None]], axis=1), read.T
 
 
-
 def test_quantize_kv_rounds_each_vector_within_half_its_scale():
     x = jax.random.normal(jax.random.PRNGKey(3), (2, 3, 5, 24)) * jnp.linspace(0.01, 40.0, 5)[None, None, :, None]
     x = x.at[0, 0, 0].set(0.0)  # an all-zero vector: scale 0, values 0
@@ -58,6 +57,8 @@ def test_quantize_kv_rounds_each_vector_within_half_its_scale():
     assert memory.k[0].scales.shape == (2, TINY.num_kv_heads, TINY.sequence_len, 1) and memory.sequence_len == 64
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         new_memory(TINY, 2, dtype="int4")
+    with pytest.raises(ValueError, match=r"ModelRunner.kv_dtype must be None or one of .*'float8'"):
+        ModelRunner(model=TINY, kv_dtype="float8").initialize()  # before anything is placed or compiled
 
 
 def test_a_prompt_prefilled_whole_or_token_by_token_reads_the_same_int8_cache(tiny_params):

@@ -12,9 +12,11 @@
 // Why (BENCHMARKS.md): XLA:CPU copies the first S positions out of each cache (a slice of a
 // strided array) before its dots, one copy of K and one of V a layer and step, which took 5-9 ms
 // of a 52 ms batch-32 step. Here each (row, KV head) is one task that reads its keys and
-// values in place, once, for all G query heads. Masked keys are skipped: their weight is
+// values in place for all G query heads (a key row once, value rows a block at a time). Masked keys are skipped: their weight is
 // exactly zero, as XLA's -1e30 logit gives; a row with no key allowed gets zeros.
-#include <immintrin.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>  // the int8 conversions
+#endif
 
 #include <cmath>
 #include <type_traits>
