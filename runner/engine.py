@@ -119,16 +119,20 @@ class ModelRunner:
 
     def prefix_block_bytes(self) -> int:
         """Bytes of one prefix pool block: K and V of every layer over ``prefix_block_size`` positions."""
-        return self.model.kv_bytes_per_token(self.kv_dtype) * self.prefix_block_size
+        return self.model.kv_bytes_per_token(self.cache_dtype()) * self.prefix_block_size
 
     def backend_report(self) -> str:
         """The backend and why; for the CPU backend one line per kernel: taken or XLA's op, and the
         measured ratio or the reason."""
         return self.selection.report()
 
+    def cache_dtype(self) -> str:
+        """What the KV cache and the prefix pool hold: ``kv_dtype``, by default the activations'."""
+        return jnp.dtype(self.model.dtype if self.kv_dtype is None else self.kv_dtype).name
+
     def kv_report(self) -> str:
         """One line: what the KV cache (and the prefix pool) holds, and its bytes a token."""
-        kv = jnp.dtype(self.model.dtype if self.kv_dtype is None else self.kv_dtype).name
+        kv = self.cache_dtype()
         scales = " (int8 values and a float32 scale a token and KV head)" if kv == "int8" else ""
         return f"KV cache: {kv}, {self.model.kv_bytes_per_token(kv):,} bytes a token{scales}"
 
@@ -177,9 +181,8 @@ class ModelRunner:
     def _new_pool(self) -> PrefixPool:
         c = self.model
         shape = (self.prefix_blocks, c.num_kv_heads, self.prefix_block_size, c.key_size)
-        dtype = c.dtype if self.kv_dtype is None else self.kv_dtype
-        return PrefixPool(k=tuple(kv_zeros(shape, dtype) for _ in range(c.num_layers)),
-                          v=tuple(kv_zeros(shape, dtype) for _ in range(c.num_layers)))
+        return PrefixPool(k=tuple(kv_zeros(shape, self.cache_dtype()) for _ in range(c.num_layers)),
+                          v=tuple(kv_zeros(shape, self.cache_dtype()) for _ in range(c.num_layers)))
 
     # ---- the four functions ------------------------------------------------------------------
     def _build(self) -> None:
