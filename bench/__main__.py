@@ -130,7 +130,7 @@ def interleaved_steps(params, config, batches, context: int, steps: int, rounds:
         for b in batches:
             state = busy(engines[b], states[b], context - steps, tokens[b])
             start = time.perf_counter()
-            states[b], out = steps_fn[b](engines[b].params, state)
+            states[b], out = steps_fn[b](engines[b].params, state, engines[b].no_mask)
             jax.block_until_ready(out)
             if i:
                 times[b].append((time.perf_counter() - start) / steps)

@@ -59,7 +59,7 @@ def main(argv=None):
                 for kv, engine in engines.items():  # taking turns: the host's bandwidth moves
                     step = engine.sample_step.variant(kv_len=n, steps=args.steps)
                     start = time.perf_counter()
-                    states[kv], out = step(engine.params, states[kv])
+                    states[kv], out = step(engine.params, states[kv], engine.no_mask)
                     jax.block_until_ready(out)
                     if i:
                         times[kv].append((time.perf_counter() - start) / args.steps)

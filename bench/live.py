@@ -69,7 +69,7 @@ def main(argv=None) -> None:
             engine, step, state, tokens = shared
             state = with_live(engine, state, live, args.context, tokens)
             start = time.perf_counter()
-            shared[2], out = step(engine.params, state)
+            shared[2], out = step(engine.params, state, engine.no_mask)
             jax.block_until_ready(out)
             if i:
                 times[(slots, live)].append((time.perf_counter() - start) / args.steps * 1e3)

@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     print("| rows x bucket | KV bucket | ms | ms / token |\n|---|---:|---:|---:|")
     for shape in args.shapes.split(","):
         rows, bucket, kv_len = (int(x) for x in shape.split("x"))
-        batch = empty_batch(rows, bucket, 8)
+        batch = empty_batch(rows, bucket, 8, vocab_size=BENCH.vocab_size)
         for i in range(rows):
             batch.slots[i], batch.lengths[i], batch.reset[i] = i, bucket, True
             batch.tokens[i] = rng.integers(4, BENCH.vocab_size, bucket)

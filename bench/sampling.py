@@ -63,9 +63,8 @@ def main(argv=None):
             engine = engines[kernel]
             sh = engine._state_shardings
             temperature, top_p, top_k = SETTINGS[name]
-            settings = SampleSettings(temperature=np.full((b,), temperature, np.float32),
-                                      nucleus_p=np.full((b,), top_p, np.float32), top_k=np.full((b,), top_k, np.int32),
-                                      logprobs=np.zeros((b,), np.int32))  # with the summary, as served with logprobs
+            # with the summary, as served with logprobs
+            settings = SampleSettings.host(b, temperature=temperature, nucleus_p=top_p, top_k=top_k, logprobs=0)
             keys = rng.integers(0, 2**32, (b, 2), dtype=np.uint32)  # each slot its own draws
             states[name, kernel] = engine.new_state().replace(settings=jax.device_put(settings, sh.settings),
                                                               keys=jax.device_put(keys, sh.keys))
@@ -75,7 +74,7 @@ def main(argv=None):
                 engine = engines[v[1]]
                 state = busy(engine, states[v], args.context - args.steps, tokens)
                 start = time.perf_counter()
-                states[v], out = steps[v](engine.params, state)
+                states[v], out = steps[v](engine.params, state, engine.no_mask)
                 jax.block_until_ready(out)
                 if i:
                     times[v].append((time.perf_counter() - start) / args.steps * 1e3)

@@ -309,7 +309,8 @@ class EngineCore:
         """Before ``sequence``'s row is dispatched: on its first chunk its detokenizer, and its
         sink told that it left the queue."""
         if first:
-            sequence.detokenizer = (IncrementalDetokenizer(self.tokenizer, sequence.ids)
+            sequence.detokenizer = (IncrementalDetokenizer(self.tokenizer, sequence.ids, skip_special_tokens=
+                                                           sequence.request.skip_special_tokens)
                                     if self.tokenizer is not None else None)
         make_row()
         admitted = getattr(sequence.sink, "admitted", None)  # a sink may time its request's wait

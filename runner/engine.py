@@ -37,9 +37,9 @@ from model.memory import KV_DTYPES, KVMemory, kv_zeros, new_memory
 from model.sharding import (DEFAULT_RULES, KV_MEMORY_AXES, activation_sharding, make_mesh, memory_specs,
                             param_shardings, spec_for)
 from model.transformer import LanguageModel
-from runner.sampling import SampleOutput, SampleSettings, sample_token, score_positions
+from runner.sampling import Constraints, SampleOutput, SampleSettings, sample_token, score_positions
 from runner.selection import BACKENDS, Selection, choose, start
-from runner.state import MAX_STOP_IDS, DecodeOutput, DecodeState, PrefillBatch, PrefixPool, ends
+from runner.state import MAX_STOP_IDS, DecodeOutput, DecodeState, PrefillBatch, PrefixPool, TokenMask, ends
 
 log = logging.getLogger("grok_runner")
 
@@ -161,11 +161,14 @@ class ModelRunner:
         return DecodeState(
             memory=named(mem),
             tokens=self._named(batch),
-            settings=SampleSettings(*(self._named(batch) for _ in range(4))),
+            settings=SampleSettings(*(self._named(batch) for _ in dataclasses.fields(SampleSettings))),
             keys=self._named(P(*batch, None)),
             active=self._named(batch),
             remaining=self._named(batch),
             stop_ids=self._named(P(*batch, None)),
+            unstoppable=self._named(batch),
+            counts=self._named(P(*batch, None)),
+            seen=self._named(P(*batch, None)),
             pool=self._pool_shardings(),
         )
 
@@ -207,7 +210,8 @@ class ModelRunner:
         def _new_memory():
             return new_memory(config, b, dtype=self.kv_dtype)
 
-        rows = jax.tree_util.tree_map(lambda _: replicated, PrefillBatch(*range(len(dataclasses.fields(PrefillBatch)))))
+        rows = jax.tree_util.tree_map(lambda _: replicated, jax.eval_shape(lambda: self._empty_rows()))
+        mask_sh = TokenMask(words=state_sh.counts, on=state_sh.active)
         step_out_sh = DecodeOutput(out_sh, replicated, replicated)
         self.forward = jax.jit(forward, in_shardings=(params_sh, None, None))
         self.new_memory = jax.jit(_new_memory, out_shardings=state_sh.memory)
@@ -221,7 +225,9 @@ class ModelRunner:
             out_shardings=(state_sh, step_out_sh, replicated, replicated), donate_argnums=1))
         self.sample_step = _PerStatic(lambda kv_len, steps: jax.jit(
             functools.partial(decode, apply, sampler, kv_len=kv_len, steps=steps),
-            in_shardings=(params_sh, state_sh), out_shardings=(state_sh, step_out_sh), donate_argnums=1))
+            in_shardings=(params_sh, state_sh, mask_sh), out_shardings=(state_sh, step_out_sh), donate_argnums=1))
+        self.no_mask = jax.device_put(self.host_mask(), mask_sh)  # a decode call's mask when no row has one
+        self._mask_shardings = mask_sh
         self.fork_slot = jax.jit(functools.partial(fork, sampler),
                                  in_shardings=(state_sh, replicated, replicated, replicated, rows),
                                  out_shardings=(state_sh, step_out_sh), donate_argnums=0)
@@ -245,10 +251,24 @@ class ModelRunner:
         self.state, out = self.fork_slot(self.state, logits, np.int32(row), np.int32(source), batch)
         return out
 
-    def run_decode(self, kv_len: int, steps: int) -> DecodeOutput:
-        """Dispatch ``steps`` decode steps of every slot (``decode``); not waited for."""
-        self.state, out = self.sample_step(self.params, self.state, kv_len=kv_len, steps=steps)
+    def run_decode(self, kv_len: int, steps: int, mask: TokenMask | None = None) -> DecodeOutput:
+        """Dispatch ``steps`` decode steps of every slot (``decode``), the rows of ``mask`` that are
+        on (host arrays, ``host_mask``) one step under it; not waited for."""
+        mask = self.no_mask if mask is None else jax.device_put(mask, self._mask_shardings)
+        self.state, out = self.sample_step(self.params, self.state, mask, kv_len=kv_len, steps=steps)
         return out
+
+    def host_mask(self, rows: int | None = None) -> TokenMask:
+        """A ``TokenMask`` of ``rows`` rows (default: the batch) with every row off, as host arrays."""
+        rows = self.batch_size if rows is None else rows
+        return TokenMask(words=np.zeros((rows, -(-self.model.vocab_size // 32)), np.uint32),
+                         on=np.zeros((rows,), bool))
+
+    def _empty_rows(self) -> PrefillBatch:
+        """A one-row, one-token prefill batch (the shapes of its fields' leading axes)."""
+        from runner.scheduler import empty_batch
+
+        return empty_batch(1, 1, self.batch_size, vocab_size=self.model.vocab_size)
 
     def release(self, slot: int) -> None:
         """Stop ``slot`` generating at once (its request was cancelled or failed)."""
@@ -265,13 +285,14 @@ class ModelRunner:
         return DecodeState(
             memory=self.new_memory(),
             tokens=jax.device_put(np.zeros((b,), np.int32), sh.tokens),
-            settings=jax.device_put(SampleSettings(
-                temperature=np.zeros((b,), np.float32), nucleus_p=np.ones((b,), np.float32),
-                top_k=np.zeros((b,), np.int32), logprobs=np.full((b,), -1, np.int32)), sh.settings),
+            settings=jax.device_put(SampleSettings.host(b), sh.settings),
             keys=jax.device_put(np.zeros((b, 2), np.uint32), sh.keys),
             active=jax.device_put(np.zeros((b,), bool), sh.active),
             remaining=jax.device_put(np.zeros((b,), np.int32), sh.remaining),
             stop_ids=jax.device_put(np.full((b, MAX_STOP_IDS), -1, np.int32), sh.stop_ids),
+            unstoppable=jax.device_put(np.zeros((b,), np.int32), sh.unstoppable),
+            counts=jax.device_put(np.zeros((b, self.model.vocab_size), np.int32), sh.counts),
+            seen=jax.device_put(np.zeros((b, self.model.vocab_size), bool), sh.seen),
             pool=self.new_pool() if self.new_pool is not None else None,
         )
 
@@ -309,10 +330,12 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
 
     k, v = jax.tree_util.tree_map(put, (memory.k, memory.v), (out.memory.k, out.memory.v))
     memory = KVMemory(k=k, v=v, step=memory.step.at[slots].set(out.memory.step, mode="drop"))
-    keys, sample_keys, settings = _seeded(batch)
+    state = state.with_prompts(batch)
+    keys, sample_keys = _seeded(batch)
     # Only a request's last chunk samples: a call of middle chunks never draws or summarises.
     # (The logits are also returned: a request with the same prompt forks from them, ``fork``.)
-    draw = functools.partial(sample_token, logits, settings, sample_keys, sampler)
+    draw = functools.partial(sample_token, logits, batch.settings, sample_keys, sampler,
+                             _first_rules(batch, state.seen, slots))
     nothing = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(draw))
     first = jax.lax.cond(jnp.any(batch.last), draw, lambda: nothing)
     state, output = _start(state.replace(memory=memory), batch, first, keys)
@@ -359,12 +382,19 @@ def save_prefix(pool: PrefixPool, batch: PrefillBatch, rows: KVMemory, kv_len: i
 
 
 def _seeded(batch: PrefillBatch):
-    """Each row's PRNG key from now on, the key of its first draw, and its sampling settings. The
-    keys derive from the seed alone, so chunking or forking never changes a request's samples."""
-    split = jax.vmap(lambda seed: jax.random.split(jax.random.PRNGKey(seed)))(batch.seed)  # [P, 2, 2]
-    settings = SampleSettings(temperature=batch.temperature, nucleus_p=batch.nucleus_p, top_k=batch.top_k,
-                              logprobs=batch.logprobs)
-    return split[:, 0], split[:, 1], settings
+    """Each row's PRNG key from now on, and the key of its first draw. The keys derive from the
+    seed alone, so chunking or forking never changes a request's samples."""
+    split = jax.vmap(jax.random.split)(batch.seed)  # [P, 2, 2]
+    return split[:, 0], split[:, 1]
+
+
+def _first_rules(batch: PrefillBatch, seen_BV, seen_rows) -> Constraints:
+    """The ``Constraints`` of each row's first token: no output yet, its prompt's tokens (row
+    ``seen_rows[p]`` of ``seen_BV``), its stop ids banned if it has a ``min_tokens``, its mask."""
+    seen = jnp.take(seen_BV, seen_rows, axis=0, mode="fill", fill_value=False)
+    return Constraints(counts=jnp.zeros(seen.shape, jnp.int32), seen=seen,
+                       banned=jnp.where((batch.min_tokens > 0)[:, None], batch.stop_ids, -1),
+                       mask=batch.mask, masked=batch.masked)
 
 
 def _start(state: DecodeState, batch: PrefillBatch, first, keys):
@@ -385,29 +415,36 @@ def fork(sampler, state: DecodeState, logits_BV, row, source, batch: PrefillBatc
         return full.at[dst].set(full[source])
 
     memory = jax.tree_util.tree_map(copy, memory)
-    keys, sample_keys, settings = _seeded(batch)
-    first = sample_token(logits_BV[row][None], settings, sample_keys, sampler)
-    return _start(state.replace(memory=memory), batch, first, keys)
+    state = state.replace(memory=memory, seen=copy(state.seen), counts=state.counts.at[dst].set(0))
+    keys, sample_keys = _seeded(batch)
+    first = sample_token(logits_BV[row][None], batch.settings, sample_keys, sampler,
+                         _first_rules(batch, state.seen, source[None]))
+    return _start(state, batch, first, keys)
 
 
-def decode(apply, sampler, params, state: DecodeState, kv_len: int, steps: int):
+def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, kv_len: int, steps: int):
     """``steps`` decode steps of every slot (a scan on device), attending to the first ``kv_len``
-    cache positions; each slot stops where ``ends`` says. Pure, like ``prefill``."""
-    def one(state, _):
+    cache positions; each slot stops where ``ends`` says. A row whose ``mask`` is on takes the
+    first step only, under its mask. Pure, like ``prefill``."""
+    def one(state, step):
         split = jax.vmap(jax.random.split)(state.keys)  # [B, 2, 2]
         keys, sample_keys = split[:, 0], split[:, 1]
-        valid = state.active
-        lengths = valid.astype(jnp.int32)  # free, finished and prefilling slots do not advance
+        valid = state.active & ~(mask.on & (step > 0))
+        lengths = valid.astype(jnp.int32)  # free, finished, prefilling and waiting slots do not advance
         out = apply({"params": params}, state.tokens[:, None], state.memory, lengths, False, kv_len)
-        sample = sample_token(out.logits[:, 0], state.settings, sample_keys, sampler)
+        rules = state.constraints(TokenMask(words=mask.words, on=mask.on & (step == 0)))
+        sample = sample_token(out.logits[:, 0], state.settings, sample_keys, sampler, rules)
         tokens = jnp.where(valid, sample.token_id, state.tokens)
         remaining = state.remaining - lengths
         ended = valid & ends(tokens, state.stop_ids, remaining)
-        state = state.replace(memory=out.memory, tokens=tokens, keys=keys, remaining=remaining,
-                              active=valid & ~ended)
+        b = tokens.shape[0]
+        state = state.replace(memory=out.memory, tokens=tokens, keys=jnp.where(valid[:, None], keys, state.keys),
+                              remaining=remaining, active=state.active & ~ended,
+                              unstoppable=state.unstoppable - lengths,
+                              counts=state.counts.at[jnp.where(valid, jnp.arange(b), b), tokens].add(1, mode="drop"))
         return state, (sample, valid, ended)
 
-    state, (samples, valid, ended) = jax.lax.scan(one, state, None, length=steps)
+    state, (samples, valid, ended) = jax.lax.scan(one, state, jnp.arange(steps))
     return state, DecodeOutput(samples, valid, ended)
 
 

@@ -19,7 +19,11 @@ _ids = itertools.count()
 
 FINISH_REASONS = ("eos", "stop", "length", "cancelled", "error")
 INT32_MAX = 2**31 - 1  # token ids, top_k and max_len reach the device as int32
-SEED_LIMIT = 2**32  # seeds reach it as uint32
+# Seeds: any integer in [-2**63, 2**64) (an int64 or a uint64, what clients send). The PRNG key is
+# the seed's 64 bits, mod 2**64, as its two uint32 words (high, low): distinct seeds of either
+# range give distinct keys (a negative seed shares its bits, and its key, only with its uint64
+# twin s + 2**64), and a seed below 2**32 gets jax.random.PRNGKey(seed)'s key, [0, seed].
+SEED_MIN, SEED_LIMIT = -(2**63), 2**64
 MAX_LOGPROBS = 20  # alternatives a token may report: the most the OpenAI API asks for
 
 
@@ -63,6 +67,20 @@ class Request:
     # by the prefill on a runner made with ``score_prompts=True``.
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    # vLLM's sampling extras, each off at its default. Applied on the device to the model's logits
+    # in vLLM's order (runner/sampling.py): the stop ids are banned until ``min_tokens`` tokens were
+    # generated; the repetition penalty divides a positive logit (multiplies a negative one) of a
+    # token seen in the prompt or the output; the frequency penalty subtracts ``penalty x count``
+    # of the output's tokens, the presence penalty ``penalty`` once per token in the output; then
+    # temperature, and ``min_p`` drops tokens less likely than min_p x the most likely one, before
+    # top-k and top-p.
+    min_p: float = 0.0  # in [0, 1]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    presence_penalty: float = 0.0  # in [-2, 2]
+    min_tokens: int = 0  # in [0, max_len]
+    ignore_eos: bool = False  # EOS does not end the request (its stop_token_ids and max_len still do)
+    skip_special_tokens: bool = True  # False: control tokens (EOS...) appear in the text as their pieces
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)  # frozen: the checked values are set once, here
@@ -76,7 +94,8 @@ class Request:
                                  f"{e.start} ({self.prompt[e.start:e.end]!r})") from None
         else:
             set_("prompt", list(_ids_of("prompt", self.prompt, allow_empty=False)))
-        for name in ("temperature", "nucleus_p"):
+        for name in ("temperature", "nucleus_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"Request.{name} must be a finite number, got {value!r}")
@@ -85,12 +104,25 @@ class Request:
             raise ValueError(f"Request.temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not 0 < self.nucleus_p <= 1:
             raise ValueError(f"Request.nucleus_p must be in (0, 1], got {self.nucleus_p!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"Request.min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"Request.repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"Request.{name} must be in [-2, 2] (0 = off), got {getattr(self, name)!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Request.{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
             raise ValueError(f"Request.top_k must be an integer in [0, 2**31) (0 = off), got {self.top_k!r}")
         if not _is_int(self.max_len) or not 0 < self.max_len <= INT32_MAX:
             raise ValueError(f"Request.max_len must be a positive integer below 2**31, got {self.max_len!r}")
-        if self.rng_seed is not None and (not _is_int(self.rng_seed) or not 0 <= self.rng_seed < SEED_LIMIT):
-            raise ValueError(f"Request.rng_seed must be an integer in [0, 2**32) or None, got {self.rng_seed!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_len:
+            raise ValueError(f"Request.min_tokens must be an integer in [0, max_len={self.max_len}], got "
+                             f"{self.min_tokens!r}")
+        if self.rng_seed is not None and (not _is_int(self.rng_seed) or not SEED_MIN <= self.rng_seed < SEED_LIMIT):
+            raise ValueError(f"Request.rng_seed must be an integer in [-2**63, 2**64) or None, got {self.rng_seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -99,6 +131,7 @@ class Request:
             set_(name, None if value is None else int(value))
         set_("top_k", int(self.top_k))
         set_("max_len", int(self.max_len))
+        set_("min_tokens", int(self.min_tokens))
         set_("rng_seed", None if self.rng_seed is None else int(self.rng_seed))
         stop = () if self.stop_token_ids is None else self.stop_token_ids
         set_("stop_token_ids", _ids_of("stop_token_ids", stop, allow_empty=True))

@@ -149,7 +149,8 @@ class InferenceRunner:
             raise ValueError(f"tokenizer {path} has {self.tokenizer.vocab_size} pieces but the model's "
                              f"vocab_size is {self.config.vocab_size}")
         self.scheduler = Scheduler(self.batch_size, self.pad_sizes, self.kv_buckets, self.config.sequence_len,
-                                   budget, self.decode_steps, self.config.eos_token, prefix)
+                                   budget, self.decode_steps, self.config.eos_token, prefix,
+                                   vocab_size=self.config.vocab_size)
         self.core = EngineCore(self.runner, self.scheduler, self.prepare, self.tokenizer)
         if warmup:
             self._warmup()
@@ -181,7 +182,7 @@ class InferenceRunner:
         lowered = [model.prefill_memory.variant(kv_len=kv, score=score).lower(model.params, model.state, batch)
                    for batch, kv, score in prefills]
         steps = sorted(self.scheduler.step_counts())
-        lowered += [model.sample_step.variant(kv_len=kv_len, steps=n).lower(model.params, model.state)
+        lowered += [model.sample_step.variant(kv_len=kv_len, steps=n).lower(model.params, model.state, model.no_mask)
                     for kv_len in self.kv_buckets for n in steps]
         # a fork (in warm-up: slot 0 copied onto itself, nothing started), its logits placed like
         # a prefill's output (a host array would be another variant)

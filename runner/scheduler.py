@@ -35,6 +35,7 @@ import numpy as np
 
 from runner.prefix_cache import PrefixCache
 from runner.requests import Request
+from runner.sampling import SampleSettings
 from runner.state import MAX_STOP_IDS, PrefillBatch
 
 # Padding a prompt's last chunk by this many positions costs less than one more device call (at
@@ -69,7 +70,15 @@ def chunk_lengths(total: int, sizes: tuple[int, ...]) -> list[int]:
 def finish_reason(token: int, request: Request, eos_token: int) -> str:
     """The name of the reason a request ended with ``token`` (the device decided that it did, by
     ``runner.state.ends``)."""
-    return "eos" if token == eos_token else "stop" if token in request.stop_token_ids else "length"
+    if token == eos_token and not request.ignore_eos:
+        return "eos"
+    return "stop" if token in request.stop_token_ids else "length"
+
+
+def stop_ids(request: Request, eos_token: int) -> list[int]:
+    """The ids that end ``request``: EOS first (unless it ignores EOS), then its stop tokens."""
+    eos = [] if request.ignore_eos else [eos_token]
+    return eos + sorted(set(request.stop_token_ids) - set(eos))
 
 
 @dataclasses.dataclass(eq=False)
@@ -169,14 +178,14 @@ class Scheduler:
 
     def __init__(self, batch_size: int, pad_sizes: tuple[int, ...], kv_buckets: tuple[int, ...],
                  sequence_len: int, budget: int, decode_steps: int, eos_token: int,
-                 prefix: Optional[PrefixCache] = None):
+                 prefix: Optional[PrefixCache] = None, *, vocab_size: int):
         self.batch_size, self.sequence_len = batch_size, sequence_len
         self.prefix = prefix  # the prefix cache's index (None: off)
         # the prefill batch's block tables: a column per cache block (runner.state.PrefillBatch)
         self.blocks = sequence_len // prefix.block_size if prefix is not None else 0
         self.pool_blocks = prefix.num_blocks if prefix is not None else 0
         self.kv_buckets, self.budget, self.decode_steps = kv_buckets, budget, decode_steps
-        self.eos_token = eos_token
+        self.eos_token, self.vocab_size = eos_token, vocab_size
         self.chunk_sizes = tuple(s for s in pad_sizes if s <= budget) or pad_sizes[:1]
         self.row_buckets = row_buckets(batch_size)
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -296,7 +305,7 @@ class Scheduler:
 
     def empty_batch(self, rows: int, bucket: int) -> PrefillBatch:
         """``empty_batch`` with this scheduler's block tables."""
-        return empty_batch(rows, bucket, self.batch_size, self.blocks, self.pool_blocks)
+        return empty_batch(rows, bucket, self.batch_size, self.blocks, self.pool_blocks, vocab_size=self.vocab_size)
 
     def unfork(self, sequence: Sequence) -> None:
         """``sequence`` cannot copy its prompt after all (its leader failed): it prefills it itself,
@@ -317,8 +326,10 @@ class Scheduler:
 
     def _cached_prefix(self, sequence: Sequence) -> Optional[tuple[list, list[int]]]:
         """The prefix cache's blocks for a waiting ``sequence``'s prompt, and the chunks of the rest
-        of it; None if it has none (or needs every position's logits: a scored prompt)."""
-        if self.prefix is None or sequence.scored:
+        of it; None if it has none, or needs its prompt computed: a scored prompt needs every
+        position's logits, and a repetition penalty every prompt token in its row's history
+        (``DecodeState.with_prompts``)."""
+        if self.prefix is None or sequence.scored or sequence.request.repetition_penalty != 1:
             return None
         blocks = self.prefix.match(sequence.ids)
         if not blocks:
@@ -389,27 +400,40 @@ def request_row(batch: PrefillBatch, i: int, sequence: Sequence, eos_token: int)
     """The slot and settings of ``sequence``'s request in row ``i`` of ``batch``."""
     request = sequence.request
     batch.slots[i] = sequence.slot
-    batch.temperature[i] = request.temperature
-    batch.nucleus_p[i] = request.nucleus_p
-    batch.top_k[i] = request.top_k
-    batch.logprobs[i] = -1 if request.logprobs is None else request.logprobs
-    batch.seed[i] = request.rng_seed if request.rng_seed is not None else default_seed(request)
+    settings = batch.settings
+    settings.temperature[i], settings.nucleus_p[i], settings.top_k[i] = (request.temperature, request.nucleus_p,
+                                                                          request.top_k)
+    settings.logprobs[i] = -1 if request.logprobs is None else request.logprobs
+    for name in ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        getattr(settings, name)[i] = getattr(request, name)
+    batch.seed[i] = seed_key(request.rng_seed if request.rng_seed is not None else default_seed(request))
     batch.max_len[i] = request.max_len
-    stop = [eos_token] + sorted(set(request.stop_token_ids) - {eos_token})
+    batch.min_tokens[i] = request.min_tokens
+    stop = stop_ids(request, eos_token)
     batch.stop_ids[i, : len(stop)] = stop
 
 
-def empty_batch(rows: int, bucket: int, batch_size: int, blocks: int = 0, pool_blocks: int = 0) -> PrefillBatch:
+def empty_batch(rows: int, bucket: int, batch_size: int, blocks: int = 0, pool_blocks: int = 0, *,
+                vocab_size: int) -> PrefillBatch:
     """A prefill batch of padding rows only (slot = batch size), as host arrays; its prefix cache
-    tables have ``blocks`` columns and name no block (``pool_blocks``: the pool's size)."""
+    tables have ``blocks`` columns and name no block (``pool_blocks``: the pool's size); its masks
+    ``ceil(vocab_size / 32)`` words, all off."""
     return PrefillBatch(
         slots=np.full((rows,), batch_size, np.int32), tokens=np.zeros((rows, bucket), np.int32),
         lengths=np.zeros((rows,), np.int32), reset=np.zeros((rows,), bool), last=np.zeros((rows,), bool),
-        temperature=np.zeros((rows,), np.float32), nucleus_p=np.ones((rows,), np.float32),
-        top_k=np.zeros((rows,), np.int32), logprobs=np.full((rows,), -1, np.int32), seed=np.zeros((rows,), np.uint32),
-        max_len=np.ones((rows,), np.int32), stop_ids=np.full((rows, MAX_STOP_IDS), -1, np.int32),
+        settings=SampleSettings.host(rows), seed=np.zeros((rows, 2), np.uint32),
+        max_len=np.ones((rows,), np.int32), min_tokens=np.zeros((rows,), np.int32),
+        stop_ids=np.full((rows, MAX_STOP_IDS), -1, np.int32),
+        mask=np.zeros((rows, -(-vocab_size // 32)), np.uint32), masked=np.zeros((rows,), bool),
         targets=np.full((rows, bucket), -1, np.int32), cached=np.zeros((rows,), np.int32),
         read=np.zeros((rows, blocks), np.int32), save=np.full((rows, blocks), pool_blocks, np.int32))
+
+
+def seed_key(seed: int) -> np.ndarray:
+    """A seed's PRNG key: its 64 bits (mod 2**64) as two uint32 words, high first
+    (``runner.requests.SEED_LIMIT``): ``jax.random.PRNGKey(seed)`` for a seed below 2**32."""
+    bits = seed % 2**64
+    return np.array([bits >> 32, bits & 0xFFFFFFFF], np.uint32)
 
 
 def default_seed(request: Request) -> int:

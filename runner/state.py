@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from model.memory import KVMemory
-from runner.sampling import SampleOutput, SampleSettings
+from runner.sampling import Constraints, SampleOutput, SampleSettings
 
 MAX_STOP_IDS = 8  # EOS plus up to 7 stop tokens per request
 
@@ -37,13 +37,14 @@ class PrefillBatch:
     lengths: jax.Array  # [P] int32: real tokens in each chunk
     reset: jax.Array  # [P] bool: the request's first chunk (its row starts at step 0)
     last: jax.Array  # [P] bool: the request's last chunk (its first token is sampled; it starts decoding)
-    temperature: jax.Array  # [P] float32
-    nucleus_p: jax.Array  # [P] float32
-    top_k: jax.Array  # [P] int32
-    logprobs: jax.Array  # [P] int32: alternatives its tokens report (-1: no log-probabilities)
-    seed: jax.Array  # [P] uint32
+    settings: SampleSettings  # [P] each
+    seed: jax.Array  # [P, 2] uint32: the PRNG key of its seed (runner.requests: SEED_LIMIT)
     max_len: jax.Array  # [P] int32
-    stop_ids: jax.Array  # [P, MAX_STOP_IDS] int32 (-1 = unused; EOS first)
+    min_tokens: jax.Array  # [P] int32: tokens before a stop id may be sampled
+    stop_ids: jax.Array  # [P, MAX_STOP_IDS] int32 (-1 = unused; EOS first unless it ignores EOS)
+    # its first token's allowed-token bitmask (``Constraints.mask``), where ``masked``
+    mask: jax.Array  # [P, ceil(V / 32)] uint32
+    masked: jax.Array  # [P] bool
     # [P, T] int32: the prompt token after each position, which a scoring prefill scores (-1: none)
     targets: jax.Array
     # The prefix cache (``runner.prefix_cache``), with blocks of ``block`` positions; ``NB`` =
@@ -82,6 +83,15 @@ class PrefixPool:
 
 
 @flax.struct.dataclass
+class TokenMask:
+    """A decode call's allowed-token bitmasks (``Constraints.mask``), one row per slot: a row
+    ``on`` samples its call's first step under its mask and then waits for the host, which
+    advances its grammar with that token and passes the next mask with the next call."""
+
+    words: jax.Array  # [B, ceil(V / 32)] uint32
+    on: jax.Array  # [B] bool
+
+@flax.struct.dataclass
 class DecodeState:
     memory: KVMemory
     tokens: jax.Array  # [B] int32: each slot's last token, the input of its next step
@@ -90,6 +100,9 @@ class DecodeState:
     active: jax.Array  # [B] bool
     remaining: jax.Array  # [B] int32: tokens the slot may still generate
     stop_ids: jax.Array  # [B, MAX_STOP_IDS] int32: ids that end the slot's request (-1 = unused)
+    unstoppable: jax.Array  # [B] int32: tokens the slot must still generate before a stop id may come
+    counts: jax.Array  # [B, V] int32: times the slot's request generated each token (the penalties)
+    seen: jax.Array  # [B, V] bool: the tokens of its prompt (the repetition penalty)
     pool: Optional[PrefixPool] = None  # the prefix cache's blocks (None: no prefix cache)
 
     def start(self, batch: PrefillBatch, first: SampleOutput, keys) -> "DecodeState":
@@ -100,17 +113,36 @@ class DecodeState:
         b = self.tokens.shape[0]
         at = jnp.where(batch.last, batch.slots, b)  # rows that start decoding; the others drop out
         put = lambda full, new: full.at[at].set(new.astype(full.dtype), mode="drop")  # noqa: E731
-        s, token, remaining = self.settings, first.token_id, batch.max_len - 1
+        token, remaining = first.token_id, batch.max_len - 1
         return self.replace(
             tokens=put(self.tokens, token),
-            settings=SampleSettings(temperature=put(s.temperature, batch.temperature),
-                                    nucleus_p=put(s.nucleus_p, batch.nucleus_p), top_k=put(s.top_k, batch.top_k),
-                                    logprobs=put(s.logprobs, batch.logprobs)),
+            settings=jax.tree_util.tree_map(put, self.settings, batch.settings),
             keys=put(self.keys, keys),
             active=put(self.active, ~ends(token, batch.stop_ids, remaining)),
             remaining=put(self.remaining, remaining),
             stop_ids=put(self.stop_ids, batch.stop_ids),
+            unstoppable=put(self.unstoppable, batch.min_tokens - 1),
+            counts=self.counts.at[at, token].add(1, mode="drop"),  # its rows were zeroed (``with_prompts``)
         )
+
+    def with_prompts(self, batch: PrefillBatch) -> "DecodeState":
+        """The state with the token history of ``batch``'s rows: a first chunk's row starts with
+        none, then every chunk's prompt tokens are marked seen."""
+        b, v = self.seen.shape
+        fresh = jnp.where(batch.reset, batch.slots, b)
+        seen = self.seen.at[fresh].set(False, mode="drop")
+        counts = self.counts.at[fresh].set(0, mode="drop")
+        t = batch.tokens.shape[1]
+        real = jnp.arange(t)[None, :] < batch.lengths[:, None]
+        rows = jnp.where(real, batch.slots[:, None], b)
+        return self.replace(seen=seen.at[rows, batch.tokens].set(True, mode="drop"), counts=counts)
+
+    def constraints(self, mask: "TokenMask") -> Constraints:
+        """Every row's ``Constraints`` for its next token: its history, its stop ids banned while
+        ``unstoppable``, and ``mask`` (the decode call's)."""
+        banned = jnp.where((self.unstoppable > 0)[:, None], self.stop_ids, -1)
+        return Constraints(counts=self.counts, seen=self.seen, banned=banned, mask=mask.words, masked=mask.on)
+
 
     def release(self, slot) -> "DecodeState":
         """The state with ``slot`` free: it stops generating at once."""

@@ -42,13 +42,22 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas that concatenate to the full text."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids, context: int = 5):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, prompt_ids, context: int = 5, skip_special_tokens: bool = True):
+        self.tokenizer, self.context = tokenizer, context
         self.ids = list(prompt_ids[-context:])
         self.prefix_offset = 0  # window start
         self.read_offset = len(self.ids)  # text up to here has been emitted
+        self.keep_special = not skip_special_tokens  # control tokens (</s>...) as their pieces
 
     def add(self, token_id: int) -> str:
+        if self.keep_special and self.tokenizer.sp.is_control(int(token_id)):
+            # SentencePiece decodes a control token to nothing: its piece goes out as it is, after
+            # whatever was held back, and the window goes on past it
+            text = self.flush() + self.tokenizer.sp.id_to_piece(int(token_id))
+            self.ids.append(int(token_id))
+            self.read_offset = len(self.ids)
+            self.prefix_offset = max(0, self.read_offset - self.context)
+            return text
         self.ids.append(int(token_id))
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
         text = self.tokenizer.decode(self.ids[self.prefix_offset:])

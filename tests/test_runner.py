@@ -179,7 +179,17 @@ BAD = [
     (dict(prompt=[1], top_k=2.5), "top_k"),
     (dict(prompt=[1], max_len=0), "max_len"),
     (dict(prompt=[1], max_len=True), "max_len"),
-    (dict(prompt=[1], rng_seed=-3), "rng_seed"),
+    (dict(prompt=[1], rng_seed=-(2**63) - 1), "rng_seed"),
+    (dict(prompt=[1], rng_seed=2**64), "rng_seed"),
+    (dict(prompt=[1], rng_seed=1.0), "rng_seed"),
+    (dict(prompt=[1], min_p=1.5), "min_p"),
+    (dict(prompt=[1], repetition_penalty=0.0), "repetition_penalty"),
+    (dict(prompt=[1], frequency_penalty=2.5), "frequency_penalty"),
+    (dict(prompt=[1], presence_penalty=float("nan")), "presence_penalty"),
+    (dict(prompt=[1], max_len=4, min_tokens=5), "min_tokens"),
+    (dict(prompt=[1], min_tokens=-1), "min_tokens"),
+    (dict(prompt=[1], ignore_eos=1), "ignore_eos"),
+    (dict(prompt=[1], skip_special_tokens="no"), "skip_special_tokens"),
     (dict(prompt=[1], stop_token_ids="ab"), "stop_token_ids"),
 ]
 
@@ -233,14 +243,14 @@ def test_the_four_functions_are_usable_on_their_own(runner, params):
     logits = engine.forward(engine.params, tokens, np.array([8]))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(forward(params, tokens, CONFIG).logits), atol=1e-5)
     state = engine.new_state()
-    batch = empty_batch(2, 8, runner.batch_size)  # one request in slot 2, and a padding row
+    batch = empty_batch(2, 8, runner.batch_size, vocab_size=CONFIG.vocab_size)  # one request in slot 2, a padding row
     batch.slots[0], batch.tokens[0], batch.lengths[0] = 2, tokens[0], 8
     batch.reset[0] = batch.last[0] = True
-    batch.temperature[0], batch.max_len[0], batch.stop_ids[0, 0] = 0, 3, CONFIG.eos_token
+    batch.settings.temperature[0], batch.max_len[0], batch.stop_ids[0, 0] = 0, 3, CONFIG.eos_token
     state, first, _, _ = engine.prefill_memory(engine.params, state, batch, kv_len=64, score=False)
     assert int(first.sample.token_id[0, 0]) == int(np.asarray(logits)[0, -1].argmax())
     assert np.asarray(first.valid).tolist() == [[True, False]]
-    state, out = engine.sample_step(engine.params, state, kv_len=64, steps=4)
+    state, out = engine.sample_step(engine.params, state, engine.no_mask, kv_len=64, steps=4)
     # max_len 3: the first token came from prefill, two more from decode, then the slot stops itself
     np.testing.assert_array_equal(np.asarray(out.valid)[:, 2], [True, True, False, False])
     assert not np.asarray(out.valid)[:, [0, 1, 3]].any()

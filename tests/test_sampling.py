@@ -14,9 +14,8 @@ CUTS = [XLA(), pytest.param(ON_KERNELS, marks=pytest.mark.skipif(not build.avail
 
 
 def settings(b, temperature=1.0, nucleus_p=1.0, top_k=0, logprobs=0):
-    return SampleSettings(temperature=jnp.full((b,), temperature, jnp.float32),
-                          nucleus_p=jnp.full((b,), nucleus_p, jnp.float32), top_k=jnp.full((b,), top_k, jnp.int32),
-                          logprobs=jnp.full((b,), logprobs, jnp.int32))
+    return jax.tree_util.tree_map(jnp.asarray, SampleSettings.host(b, temperature=temperature, nucleus_p=nucleus_p,
+                                                                   top_k=top_k, logprobs=logprobs))
 
 
 def keys(b, seed=0):

@@ -50,3 +50,17 @@ def test_multi_byte_characters_are_held_back_until_complete(test_tokenizer):
 def test_missing_tokenizer_file_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         Tokenizer(str(tmp_path / "nope.model"))
+
+
+def test_special_tokens_are_kept_as_their_pieces_when_asked(test_tokenizer):
+    tokenizer = Tokenizer(test_tokenizer)
+    eos = tokenizer.sp.eos_id()
+    words, more = tokenizer.encode(" a house"), tokenizer.encode(" ☃ then")
+    prompt = tokenizer.encode("the")
+    after = lambda ids: tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)):]  # noqa: E731
+    first, full = after(words), after(words + more)
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+        text = "".join(detok.add(t) for t in words + [eos] + more) + detok.flush()
+        eos_text = "" if skip else tokenizer.sp.id_to_piece(eos)
+        assert text == first + eos_text + full[len(first):], skip
