@@ -27,6 +27,7 @@ import hmac
 import itertools
 import json
 import logging
+import pathlib
 import re
 import threading
 import time
@@ -37,7 +38,8 @@ import numpy as np
 import pydantic
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from runner import InferenceRunner, Request
@@ -49,6 +51,7 @@ from server.stops import StopMatcher
 
 log = logging.getLogger("grok_runner.server")
 
+CHAT_PAGE = pathlib.Path(__file__).with_name("static") / "chat.html"
 _SHUTDOWN = object()  # put in a sink when the server ends the requests still in flight
 
 
@@ -77,12 +80,13 @@ class _Choice:
     def __init__(self, index: int, request: Request, stops: list[str]):
         self.index, self.request = index, request
         self.matcher = StopMatcher(stops) if stops else None
-        # per kept token: id, its text in the output (the detokenizer's delta: a character split
-        # over byte pieces belongs to its last piece), log-probability, alternatives, text offset
-        self.text, self.tokens, self.strs, self.logprobs, self.tops, self.offsets = "", [], [], [], [], []
+        # per kept token: id, log-probability, alternatives, offset of its text in the output (the
+        # detokenizer's: a character split over byte pieces belongs to its last piece)
+        self.text, self.tokens, self.logprobs, self.tops, self.offsets = "", [], [], [], []
         self.prompt_logprobs = None  # its prompt's PromptLogprobs, if its request scored it
         self.cached_tokens = 0  # its prompt's tokens read from the prefix cache
         self.finish_reason: Optional[str] = None
+        self.failed = False  # it ended with an error of its own
 
     def add(self, event, top: int) -> str:
         """The new text this event releases (stop strings applied); records its token."""
@@ -97,13 +101,15 @@ class _Choice:
         if event.token_id is not None and not (self.matcher is not None and self.matcher.stopped and not piece):
             self.offsets.append(len(self.text))
             self.tokens.append(event.token_id)
-            self.strs.append(event.text)
             self.logprobs.append(event.logprob)
             self.tops.append([(t, float(np.log(max(p, 1e-45)))) for t, p in event.top_tokens[:top]])
         if event.finish_reason and self.finish_reason is None:
             if event.finish_reason == "error":
+                self.failed = True
+                # a 500 the openai clients do not retry (they honour x-should-retry): the same
+                # request would fail the same way, and a retry would cost the server it again
                 raise APIError(500, f"the request failed while being served: {event.error}", None,
-                               type="server_error")
+                               type="server_error", headers={"x-should-retry": "false"})
             self.finish_reason = "length" if event.finish_reason == "length" else "stop"
             if self.matcher is not None:
                 piece += self.matcher.flush()
@@ -204,6 +210,14 @@ class Server:
         async def api_error(request, e: APIError):
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request, e: StarletteHTTPException):  # an unknown route or method
+            what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on "
+                    f"{request.url.path}"}.get(e.status_code, str(e.detail))
+            error = APIError(e.status_code, what, None, code={404: "not_found", 405: "method_not_allowed"}.get(
+                e.status_code))
+            return JSONResponse(error.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
         @app.exception_handler(Exception)
         async def internal_error(request, e: Exception):  # a bug: still OpenAI's shape, and logged
             log.exception("internal error")
@@ -213,6 +227,14 @@ class Server:
         @app.exception_handler(ClientGone)
         async def client_gone(request, e: ClientGone):  # logged where it was noticed; nobody to answer
             return Response(status_code=400)
+
+        @app.get("/", include_in_schema=False)
+        async def chat_page():  # a page to try the model in a browser: static, nothing fetched from outside
+            # (the browser enforces it: the page may only talk to this server)
+            return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"), headers={
+                "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src "
+                                           "'unsafe-inline'; connect-src 'self'; img-src data:",
+                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"})
 
         @app.get("/health")
         async def health():
@@ -239,7 +261,7 @@ class Server:
             if self.private:
                 self._authorize(request)
             running, waiting = self.runner.core.counts()
-            self.metrics.update_load(running, waiting, self.runner.batch_size)
+            self.metrics.update_load(running, waiting, *self.runner.scheduler.kv_usage())
             self.metrics.update_prefix_cache(*self.runner.prefix_cache_counts())
             return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -369,11 +391,16 @@ class Server:
             raise APIError(400, str(e), "messages") from None
 
     def _token_text(self, token: int) -> str:
-        """A token's piece as text (SentencePiece's word marker as a space; a byte piece as
-        ``<0xNN>``): the key of an alternative in ``top_logprobs``."""
+        """A token's name in logprobs, the same for the chosen token and its alternatives, and
+        distinct for distinct tokens: its piece as text (SentencePiece's word marker as a space),
+        and a byte-fallback piece as OpenAI names a token that is not text alone, ``bytes:\\xe2``
+        (also an ASCII byte, whose character may be another token's piece)."""
+        if self.runner.tokenizer.sp.is_byte(int(token)):
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in self._token_bytes(token))
         return self.runner.tokenizer.sp.id_to_piece(int(token)).replace("\u2581", " ")
 
     def _token_bytes(self, token: int) -> list[int]:
+        """A token's bytes in the text (OpenAI's chat ``bytes``); a control token's, its piece's."""
         piece = self.runner.tokenizer.sp.id_to_piece(int(token))
         byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
         return [int(byte.group(1), 16)] if byte else list(piece.replace("\u2581", " ").encode("utf-8"))
@@ -424,6 +451,7 @@ class Server:
                     events.append(sink.queue.get_nowait())
                 now = time.perf_counter()
                 piece = ""
+                tokens = sum(1 for e in events if e is not _SHUTDOWN and e.token_id is not None)
                 for event in events:
                     if choice.done:
                         break
@@ -435,10 +463,14 @@ class Server:
                             self.metrics.ttft.observe(now - arrived)
                             if sink.admitted_at is not None:
                                 self.metrics.queue.observe(max(0.0, sink.admitted_at - arrived))
-                        else:
-                            self.metrics.itl.observe(now - last)
-                        last = now
+                            last, tokens = now, tokens - 1
+                        elif tokens:
+                            # the tokens that arrive together (a decode call's) share the gap
+                            # since the last ones: the histogram's sum is the time between
+                            # tokens, its count the tokens
+                            self.metrics.itl.observe((now - last) / tokens)
                     piece += choice.add(event, top)
+                last = now
                 yield piece
         finally:
             with self._inflight_lock:
@@ -448,7 +480,8 @@ class Server:
                 self.runner.core.cancel(request.request_id)
             if choice.done:
                 self.metrics.e2e.observe(time.perf_counter() - arrived)
-            self.metrics.finished(choice.finish_reason if choice.done else "abort")  # abort: the client left
+            # error: it failed while being served; abort: the client left, or the server ended it
+            self.metrics.finished(choice.finish_reason if choice.done else "error" if choice.failed else "abort")
 
     async def _run_all(self, choices, sinks, top, arrived, http: HTTPRequest):
         """Every choice to its end, for a whole (not streamed) response; if the client
@@ -522,6 +555,13 @@ class Server:
 
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    @staticmethod
+    def _stream_done(chunks: list[dict], usage) -> StreamingResponse:
+        """SSE of a response computed whole: its chunks, the usage chunk (when asked), ``[DONE]``."""
+        lines = [f"data: {json.dumps(c)}\n\n" for c in chunks + ([usage()] if usage is not None else [])]
+        return StreamingResponse(iter(lines + ["data: [DONE]\n\n"]), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
     def _prepare(self, prompts: list, make_runs, field: str) -> tuple[list[list[int]], list[Request]]:
         """In a worker thread: each prompt tokenized once and checked, and the runner requests of
         every choice (made from the ids, so nothing tokenizes them again)."""
@@ -533,7 +573,9 @@ class Server:
         body.check()
         prompts = body.prompts()
         self._check_capacity(len(prompts) * body.n, "n" if body.n > 1 and len(prompts) == 1 else "prompt")
-        max_tokens = body.max_tokens or 16
+        # max_tokens 0 (with echo): the prompt alone; scored by a one-token request whose token is dropped
+        echo_only = body.max_tokens == 0
+        max_tokens = 1 if echo_only else body.max_tokens or 16
         # echo with logprobs: each prompt token scored as part of its request's prefill
         echo_logprobs = body.echo and body.logprobs is not None
         scored = body.logprobs if echo_logprobs else None
@@ -541,11 +583,14 @@ class Server:
             self._prepare, prompts, lambda i: body.requests(i, max_tokens, "prompt", body.logprobs, scored), "prompt")
         if echo_logprobs:
             self._check_scored(ids)
+        if echo_only and not echo_logprobs:
+            runs = []  # nothing to compute
         loop = asyncio.get_running_loop()
         sinks = await asyncio.to_thread(self._submit, runs, "prompt", loop)
         prompt_tokens = sum(len(i) for i in ids)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        choices = [_Choice(k, r, body.stops()) for k, r in enumerate(runs)]
+        choices = ([_Choice(k, r, body.stops()) for k, r in enumerate(runs)] if runs else
+                   [_Choice(k, None, []) for k in range(len(prompts) * body.n)])
         top = body.logprobs or 0
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_text = [p if isinstance(p, str) else self.runner.tokenizer.decode(p) for p in prompts]
@@ -553,7 +598,8 @@ class Server:
         def logprobs_of(choice, start_token=0, start_text=0):
             if body.logprobs is None:
                 return None
-            return {"tokens": choice.strs[start_token:], "token_logprobs": choice.logprobs[start_token:],
+            return {"tokens": [self._token_text(t) for t in choice.tokens[start_token:]],
+                    "token_logprobs": choice.logprobs[start_token:],
                     "top_logprobs": [{self._token_text(t): lp for t, lp in top_} for top_ in choice.tops[start_token:]],
                     "text_offset": [start_text + o for o in choice.offsets[start_token:]]}
 
@@ -576,6 +622,11 @@ class Server:
         def usage():
             return _usage(prompt_tokens, choices, body.n)
 
+        if echo_only:
+            await self._run_all(choices, sinks, top, arrived, http)
+            for c in choices:  # the scoring request's token is not part of the answer
+                c.text, c.tokens, c.logprobs, c.tops, c.offsets, c.finish_reason = "", [], [], [], [], "length"
+
         if body.stream:
             sent = {}
 
@@ -586,15 +637,19 @@ class Server:
                 lp = logprobs_of(choice, start, len(echoed(choice)))
                 if first and echo_logprobs:
                     lp = with_prompt(choice, lp)
-                return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                        "choices": [{"index": choice.index, "text": text, "logprobs": lp,
-                                     "finish_reason": choice.finish_reason}]}
+                out = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                       "choices": [{"index": choice.index, "text": text, "logprobs": lp,
+                                    "finish_reason": choice.finish_reason}]}
+                return {**out, "usage": usage()} if body.continuous_usage() else out
 
             final = (lambda: {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                               "choices": [], "usage": usage()}) if body.include_usage() else None
+            if echo_only:
+                return self._stream_done([chunk(c, "", True) for c in choices], final)
             return await self._stream(choices, sinks, top, arrived, chunk, final, http)
 
-        await self._run_all(choices, sinks, top, arrived, http)
+        if not echo_only:
+            await self._run_all(choices, sinks, top, arrived, http)
         out = []
         for c in choices:
             lp = logprobs_of(c, 0, len(echoed(c)))
@@ -633,16 +688,15 @@ class Server:
         top = body.top_logprobs or 0
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def entry(t, lp, text=None):
-            return {"token": self._token_text(t) if text is None else text, "logprob": lp,
-                    "bytes": self._token_bytes(t)}
+        def entry(t, lp):
+            return {"token": self._token_text(t), "logprob": lp, "bytes": self._token_bytes(t)}
 
         def logprobs_of(choice, start=0):
             if not body.logprobs:
                 return None
-            return {"content": [{**entry(t, lp, text), "top_logprobs": [entry(a, alp) for a, alp in tops]}
-                                for t, text, lp, tops in zip(choice.tokens[start:], choice.strs[start:],
-                                                             choice.logprobs[start:], choice.tops[start:])]}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in tops]}
+                                for t, lp, tops in zip(choice.tokens[start:], choice.logprobs[start:],
+                                                       choice.tops[start:])]}
 
         def usage():
             return _usage(len(ids), choices, body.n)
@@ -656,9 +710,10 @@ class Server:
                 delta = {"role": "assistant", "content": piece} if first else {"content": piece}
                 if choice.done and not piece and not first:
                     delta = {}
-                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                        "choices": [{"index": choice.index, "delta": delta, "logprobs": logprobs_of(choice, start),
-                                     "finish_reason": choice.finish_reason}]}
+                out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                       "choices": [{"index": choice.index, "delta": delta, "logprobs": logprobs_of(choice, start),
+                                    "finish_reason": choice.finish_reason}]}
+                return {**out, "usage": usage()} if body.continuous_usage() else out
 
             final = (lambda: {"id": rid, "object": "chat.completion.chunk", "created": created,
                               "model": self.model_name, "choices": [], "usage": usage()}) \

@@ -2,8 +2,12 @@
 
 Each server has its own registry (several servers in one process, as in the tests, do not
 collide). Histograms: time to first token, inter-token latency, end-to-end latency and queue
-time; gauges: requests running and waiting, KV slot usage; counters: prompt and generation tokens,
-successful requests by finish reason, prefix cache queries and hits (in tokens).
+time; gauges: requests running and waiting, KV cache usage (positions held over positions the
+slots have); counters: prompt and generation tokens, requests by finish reason (``stop``,
+``length``, ``error`` for a request that failed while served, ``abort`` for one its client left or
+the shutdown ended), prefix cache queries and hits (in tokens). Inter-token latency is per token
+as the client receives it: the tokens of one decode call arrive together, each counted at their
+gap over their number.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ class Metrics:
                                   registry=r).labels(**self.labels)
         self.waiting = prom.Gauge("vllm:num_requests_waiting", "Requests waiting for a slot.", labels,
                                   registry=r).labels(**self.labels)
-        self.kv_usage = prom.Gauge("vllm:kv_cache_usage_perc", "Fraction of KV slots in use (1 = all).",
+        self.kv_usage = prom.Gauge("vllm:kv_cache_usage_perc", "Fraction of the slots' KV positions holding a running "
+                                   "request's tokens (1 = all).",
                                    labels, registry=r).labels(**self.labels)
         self.prompt_tokens = prom.Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels,
                                           registry=r).labels(**self.labels)
@@ -49,10 +54,11 @@ class Metrics:
     def finished(self, reason: str) -> None:
         self.success.labels(finished_reason=reason, **self.labels).inc()
 
-    def update_load(self, running: int, waiting: int, slots: int) -> None:
+    def update_load(self, running: int, waiting: int, held: int, available: int) -> None:
+        """Requests running and waiting; KV positions ``held`` by running requests of ``available``."""
         self.running.set(running)
         self.waiting.set(waiting)
-        self.kv_usage.set(running / slots if slots else 0.0)
+        self.kv_usage.set(held / available if available else 0.0)
 
     def update_prefix_cache(self, queries: int, hits: int) -> None:
         """The prefix cache's running totals (``InferenceRunner.prefix_cache_counts``) into the counters."""

@@ -1,21 +1,30 @@
 """The OpenAI API's request bodies (completions, chat completions, tokenize) as pydantic models,
 and their translation into the runner's ``Request``s.
 
-Every field is checked here or by ``Request``; a bad one is an ``APIError`` (HTTP 400) naming the
-API's own field (``top_p``, not ``nucleus_p``). Fields of the OpenAI API this runner does not
-implement (``best_of``, ``logit_bias``, penalties, ``response_format``, ``suffix``, ...) are
-refused by name when set, never ignored; unknown fields are refused too.
+Tolerant where vLLM is, never silently wrong:
+- a field this server does not know is accepted and logged once per name (vLLM's rule: clients
+  send their own extras, and a 400 for each would break them);
+- a known field whose meaning is not implemented (``best_of`` > 1, ``logit_bias``, ``suffix``,
+  ``tools``, ``service_tier`` "flex", ``store`` true, ...) is a 400 naming it when it asks for
+  something, never accepted and ignored;
+- a null means the field's default (clients send ``"temperature": null`` for "default").
+Every other field is checked here or by ``Request``; a bad one is an ``APIError`` (HTTP 400)
+naming the API's own field (``top_p``, not ``nucleus_p``).
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runner import Request
 from runner.requests import MAX_LOGPROBS  # one limit for the API and the runner
+
+log = logging.getLogger("grok_runner.server")
 
 
 class APIError(Exception):
@@ -34,7 +43,10 @@ class APIError(Exception):
 # Request's field -> the API's name for it
 _API_NAMES = {"prompt": "prompt", "temperature": "temperature", "nucleus_p": "top_p", "rng_seed": "seed",
               "max_len": "max_tokens", "top_k": "top_k", "stop_token_ids": "stop_token_ids",
-              "request_id": "request_id", "logprobs": "logprobs", "prompt_logprobs": "logprobs"}
+              "request_id": "request_id", "logprobs": "logprobs", "prompt_logprobs": "logprobs",
+              "min_p": "min_p", "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
+              "presence_penalty": "presence_penalty", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
+              "skip_special_tokens": "skip_special_tokens"}
 MAX_STOPS = 4
 
 
@@ -50,34 +62,80 @@ def bad_request(error: ValueError, prompt_field: str = "prompt") -> APIError:
     return APIError(400, message, param)
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Tolerant(BaseModel):
+    """A body that accepts unknown fields (each name logged once a process) and reads a null as
+    the field's default."""
 
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    def log_unknown(self) -> None:
+        for name in self.model_extra or {}:
+            with _seen_lock:
+                if name in _seen_unknown:
+                    continue
+                _seen_unknown.add(name)
+            log.warning("%s: ignoring the unknown field %r (logged once)", type(self).__name__, name)
+
+
+_seen_unknown: set[str] = set()
+_seen_lock = threading.Lock()
+
+
+class _Body(_Tolerant):
     model: str
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # vLLM's extra; -1 or 0 = off
     n: int = Field(default=1, ge=1, le=16)
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # OpenAI's fields that ask for nothing this server would have to do: accepted as they are
     user: Optional[str] = None
-    # not implemented: refused by name when set
+    metadata: Optional[dict[str, Any]] = None
+    # ... and those accepted only where they ask for nothing (a 400 naming them otherwise)
+    store: bool = False
+    service_tier: Optional[str] = None
     best_of: Optional[int] = None
     logit_bias: Optional[dict[str, float]] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    # vLLM's extras
+    top_k: int = 0  # -1 or 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: Optional[list[int]] = None
+    # structured output: OpenAI's response_format, and vLLM's guided_json and structured_outputs
     response_format: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
     def check_common(self) -> None:
-        for name, default in (("best_of", (None, 1)), ("logit_bias", (None, {})), ("presence_penalty", (None, 0)),
-                              ("frequency_penalty", (None, 0)), ("response_format", (None, {"type": "text"}))):
-            if getattr(self, name) not in default:
-                raise APIError(400, f"{name} is not supported by this server", name)
-        if self.stream_options is not None:
+        self.log_unknown()
+        refused = (("best_of", self.best_of not in (None, 1), "best_of > 1"),
+                   ("logit_bias", bool(self.logit_bias), "logit_bias"),
+                   ("store", self.store, "store=true (nothing is stored)"),
+                   ("service_tier", self.service_tier not in (None, "auto", "default"),
+                    f"service_tier {self.service_tier!r} (only 'auto' and 'default')"),
+                   ("response_format", self.response_format not in (None, {"type": "text"}),
+                    f"response_format {self.response_format!r}"),
+                   ("guided_json", self.guided_json is not None, "guided_json"),
+                   ("structured_outputs", self.structured_outputs is not None, "structured_outputs"))
+        for name, asked, what in refused:
+            if asked:
+                raise APIError(400, f"{name}: {what} is not supported by this server", name)
+        if self.stream_options:
             if not self.stream:
                 raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
             unknown = set(self.stream_options) - {"include_usage", "continuous_usage_stats"}
@@ -93,6 +151,10 @@ class _Body(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: the usage so far in every chunk."""
+        return bool(self.stream_options and self.stream_options.get("continuous_usage_stats"))
+
     def requests(self, prompt, max_tokens: int, prompt_field: str, logprobs: Optional[int] = None,
                  prompt_logprobs: Optional[int] = None) -> list[Request]:
         """The ``n`` runner requests of one prompt (text or ids): choice i takes seed + i. Each
@@ -100,12 +162,18 @@ class _Body(BaseModel):
         prompt with ``prompt_logprobs`` (the copies of a prompt share one prefill, and its scores)."""
         out = []
         for i in range(self.n):
-            seed = None if self.seed is None else self.seed + i
+            seed = None if self.seed is None else self.seed + i  # choice i: seed + i, in 64 bits
+            if seed is not None and seed >= 2**64 > self.seed:
+                seed -= 2**64
             try:
                 out.append(Request(prompt, temperature=self.temperature, nucleus_p=self.top_p,
                                    top_k=0 if self.top_k == -1 else self.top_k, rng_seed=seed,
                                    max_len=max_tokens, stop_token_ids=self.stop_token_ids or (),
-                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs))
+                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs, min_p=self.min_p,
+                                   repetition_penalty=self.repetition_penalty,
+                                   frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                                   min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                                   skip_special_tokens=self.skip_special_tokens))
             except ValueError as e:
                 raise bad_request(e, prompt_field) from None
         return out
@@ -113,6 +181,7 @@ class _Body(BaseModel):
 
 class CompletionRequest(_Body):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(default=None, ge=0)  # 0: with echo, the prompt alone (scoring)
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None
@@ -130,12 +199,15 @@ class CompletionRequest(_Body):
 
     def check(self) -> None:
         self.check_common()
-        if self.suffix is not None:
+        if self.suffix:
             raise APIError(400, "suffix is not supported by this server", "suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 generates nothing; it is only allowed with echo=true (the prompt "
+                           "returned, with its logprobs if asked)", "max_tokens")
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id...: not used by the template
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Optional[Union[str, list[dict[str, Any]]]] = None
@@ -161,25 +233,25 @@ class ChatCompletionRequest(_Body):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None  # asks nothing without tools
 
     def check(self) -> None:
         self.check_common()
         if self.tools:
             raise APIError(400, "tools are not supported by this server", "tools")
+        if self.tool_choice not in (None, "none", "auto"):  # without tools, "auto" is "none"
+            raise APIError(400, f"tool_choice {self.tool_choice!r}: tools are not supported by this server "
+                           "(only 'none' or 'auto')", "tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TokenizeRequest(_Tolerant):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class DetokenizeRequest(_Tolerant):
     model: Optional[str] = None
     tokens: list[int]

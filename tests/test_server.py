@@ -136,10 +136,12 @@ def test_logprobs_and_echo(served, client):
     r = client.completions.create(model=MODEL, prompt="the house", max_tokens=6, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
-    assert all(len(t) == 3 for t in lp.top_logprobs) and "".join(lp.tokens) == r.choices[0].text
+    assert all(len(t) == 3 for t in lp.top_logprobs)
     for token, value, tops in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert value <= 0 and max(tops.values()) == pytest.approx(value, abs=1e-5)  # greedy: the best one
-    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(6)]
+    # offsets into the text (a character of several byte tokens belongs to its last one)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[-1] <= len(r.choices[0].text)
     echo = client.completions.create(model=MODEL, prompt="the house", max_tokens=3, temperature=0, logprobs=2,
                                      echo=True)
     n_prompt = len(served[0].tokenizer.encode("the house"))
@@ -163,7 +165,7 @@ def test_logprobs_and_echo(served, client):
                                           temperature=0, logprobs=True, top_logprobs=5)
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 5 for c in content)
-    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert b"".join(bytes(c.bytes) for c in content).decode("utf-8", "replace") == chat.choices[0].message.content
 
 
 def test_a_prompt_is_tokenized_once(served, client, monkeypatch):
@@ -278,16 +280,22 @@ BAD = [
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"best_of": 2}, "best_of"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"seed": -1}, "seed"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": 5}, "min_tokens"),  # more than max_tokens
+    ({"ignore_eos": "maybe"}, "ignore_eos"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
     ({"top_k": -2}, "top_k"),
     ({"prompt": [5, 99999]}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"stop_token_ids": [99999]}, "stop_token_ids"),
     ({"suffix": "x"}, "suffix"),
-    ({"no_such_field": 1}, "no_such_field"),
+    ({"store": True}, "store"),
+    ({"service_tier": "flex"}, "service_tier"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ]
 
@@ -614,3 +622,177 @@ def test_two_processes_behind_one_server(test_tokenizer):
         logs = [p.communicate(timeout=120)[0] for p in procs]
     for i, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0 and f"process {i} done" in log, log[-3000:]
+
+
+# ---- the API conventions clients expect (issue 24) ---------------------------------------------
+def _completion(live, **fields):
+    return httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "the house", **fields},
+                      timeout=60)
+
+
+def test_unknown_fields_are_accepted_and_logged_once_and_nulls_are_defaults(served, caplog):
+    runner, _, live = served
+    want = _completion(live, max_tokens=5, temperature=0).json()["choices"][0]["text"]
+    extras = {"spaces_between_special_tokens": True, "some_client_field": {"x": 1}}
+    newer = {"store": False, "metadata": {"run": "7"}, "user": "u-1", "service_tier": "auto"}
+    nulls = {"top_p": None, "seed": None, "stop": None, "n": None, "logprobs": None, "top_k": None}
+    with caplog.at_level("WARNING", logger="grok_runner.server"):
+        for _ in range(2):
+            r = _completion(live, max_tokens=5, temperature=0, **extras, **newer, **nulls)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+    logged = [rec.getMessage() for rec in caplog.records if "unknown field" in rec.getMessage()]
+    assert sorted(m.split("'")[1] for m in logged) == sorted(extras)  # once per name
+    r = _completion(live, max_tokens=5, temperature=None)  # null: the default temperature (1.0), sampled
+    assert r.status_code == 200
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    for fields in ({"parallel_tool_calls": True, "tool_choice": "none"}, {"tool_choice": "auto"},
+                   {"tools": None, "temperature": None, "response_format": {"type": "text"}}):
+        r = httpx.post(live.url + "/v1/chat/completions", json={**chat, **fields}, timeout=60)
+        assert r.status_code == 200, (fields, r.text)
+    for fields, param in (({"tool_choice": "required"}, "tool_choice"),
+                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
+        r = httpx.post(live.url + "/v1/chat/completions", json={**chat, **fields}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_vllm_extras_and_penalties_equal_the_runners_own(served):
+    runner, _, live = served
+    prompt_ids = runner.tokenizer.encode("the house")
+    cases = [dict(repetition_penalty=1.5), dict(frequency_penalty=1.0, presence_penalty=0.5),
+             dict(min_tokens=6, max_tokens=8), dict(ignore_eos=True), dict(min_p=0.2, temperature=0.8, seed=3)]
+    for case in cases:
+        fields = {"max_tokens": 8, "temperature": 0, **case}
+        got = _completion(live, **fields).json()["choices"][0]
+        settings = dict(temperature=fields["temperature"], max_len=fields["max_tokens"],
+                        rng_seed=fields.get("seed"),
+                        **{k: v for k, v in case.items() if k not in ("max_tokens", "temperature", "seed")})
+        want = runner.complete(Request(prompt_ids, **settings))
+        assert got["text"] == want.text, case
+    # any integer seed: the key is its 64 bits (choice i takes seed + i)
+    a = _completion(live, max_tokens=6, seed=-5, n=2).json()["choices"]
+    b = _completion(live, max_tokens=6, seed=2**64 - 5, n=2).json()["choices"]
+    c = _completion(live, max_tokens=6, seed=2**63 + 11).json()["choices"]
+    assert [x["text"] for x in a] == [x["text"] for x in b] and c[0]["text"]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(served):
+    runner, _, live = served
+    n_prompt = len(runner.tokenizer.encode("the house"))
+    plain = _completion(live, max_tokens=0, echo=True).json()
+    assert plain["choices"][0]["text"] == "the house" and plain["choices"][0]["logprobs"] is None
+    assert plain["usage"]["completion_tokens"] == 0 and plain["usage"]["prompt_tokens"] == n_prompt
+    scored = _completion(live, max_tokens=0, echo=True, logprobs=2).json()
+    longer = _completion(live, max_tokens=3, echo=True, logprobs=2, temperature=0).json()
+    lp, want = scored["choices"][0]["logprobs"], longer["choices"][0]["logprobs"]
+    assert lp["tokens"] == want["tokens"][:n_prompt] and len(lp["tokens"]) == n_prompt
+    assert lp["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:n_prompt], abs=1e-6)
+    assert scored["choices"][0]["text"] == "the house" and scored["usage"]["completion_tokens"] == 0
+    with httpx.stream("POST", live.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "the house", "max_tokens": 0, "echo": True, "logprobs": 2, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["logprobs"]["tokens"] == lp["tokens"]
+    assert events[-1]["usage"]["completion_tokens"] == 0
+    assert _completion(live, max_tokens=0).status_code == 400  # without echo it asks for nothing
+
+
+def test_logprobs_name_the_chosen_token_as_its_alternatives_do(served):
+    runner, _, live = served
+    sp = runner.tokenizer.sp
+    seen_byte = False
+    for seed in range(6):
+        r = _completion(live, prompt="caf\u00e9 \u2603", max_tokens=12, temperature=1.0, seed=seed, logprobs=5)
+        lp = r.json()["choices"][0]["logprobs"]
+        # the runner's own ids: the chosen token ranks within its alternatives exactly when its
+        # name is among them (names are distinct: 5 alternatives, 5 keys)
+        done = runner.complete(Request(runner.tokenizer.encode("caf\u00e9 \u2603"), temperature=1.0, rng_seed=seed,
+                                       max_len=12, logprobs=5))
+        events = list(runner.core.scheduler.running())  # nothing left running
+        assert not events and len(lp["tokens"]) == len(done.token_ids)
+        for name, value, tops in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert len(tops) == 5
+            if name in tops:
+                assert tops[name] == pytest.approx(value, abs=1e-5)
+            seen_byte |= name.startswith("bytes:")
+        ranked = sum(name in tops for name, tops in zip(lp["tokens"], lp["top_logprobs"]))
+        assert ranked >= 1
+        chat = httpx.post(live.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "caf\u00e9"}], "max_tokens": 12,
+            "temperature": 1.0, "seed": seed, "logprobs": True, "top_logprobs": 5}, timeout=60).json()
+        for entry in chat["choices"][0]["logprobs"]["content"]:
+            names = {alt["token"]: alt for alt in entry["top_logprobs"]}
+            if entry["token"] in names:
+                assert names[entry["token"]]["logprob"] == pytest.approx(entry["logprob"], abs=1e-5)
+                assert names[entry["token"]]["bytes"] == entry["bytes"]
+            assert all(isinstance(b, int) and 0 <= b < 256 for b in entry["bytes"])
+    byte_ids = [i for i in range(sp.get_piece_size()) if sp.is_byte(i)]
+    assert byte_ids and seen_byte, "no byte token came up: the naming of bytes was not exercised"
+
+
+def test_metrics_count_each_token_errors_and_kv_positions(served, monkeypatch):
+    runner, server, live = served
+    itl_count = _metric(live, "vllm:inter_token_latency_seconds_count")
+    itl_sum = _metric(live, "vllm:inter_token_latency_seconds_sum")
+    start = time.perf_counter()
+    r = _completion(live, max_tokens=20, temperature=0, ignore_eos=True)
+    elapsed = time.perf_counter() - start
+    assert r.json()["usage"]["completion_tokens"] == 20
+    assert _metric(live, "vllm:inter_token_latency_seconds_count") == itl_count + 19  # one per token after the first
+    assert 0 < _metric(live, "vllm:inter_token_latency_seconds_sum") - itl_sum <= elapsed
+    # KV usage: positions held over the slots' positions, while one request runs
+    with rounds_by_hand(runner) as round_:
+        with httpx.stream("POST", live.url + "/v1/completions", json={
+                "model": MODEL, "prompt": "the house", "max_tokens": 30, "stream": True}) as s:
+            _wait(lambda: sum(runner.core.counts()) == 1, "the request was not submitted")
+            round_(), round_(), round_()
+            held, available = runner.scheduler.kv_usage()
+            assert 0 < held < runner.config.sequence_len
+            assert _metric(live, "vllm:kv_cache_usage_perc") == pytest.approx(held / available)
+    _wait(lambda: _metric(live, "vllm:num_requests_running") == 0, "the stream's slot was not freed")
+    # a request that fails while served: an error (not an abort), a 500 the client does not retry
+    import runner.core as core
+
+    errors = _metric(live, "vllm:request_success_total", 'finished_reason="error"')
+    aborts = _metric(live, "vllm:request_success_total", 'finished_reason="abort"')
+    calls = []
+    original = core.IncrementalDetokenizer.add
+
+    def failing(self, token):
+        calls.append(token)
+        if len(calls) == 3:
+            raise RuntimeError("the detokenizer broke")
+        return original(self, token)
+
+    monkeypatch.setattr(core.IncrementalDetokenizer, "add", failing)
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=2)
+    with pytest.raises(openai.InternalServerError, match="detokenizer broke"):
+        client.completions.create(model=MODEL, prompt="the house", max_tokens=8, temperature=0)
+    assert len(calls) == 3  # not retried
+    calls.clear()
+    with httpx.stream("POST", live.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "the house", "max_tokens": 8, "stream": True}) as s:
+        lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert "detokenizer broke" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
+    assert _metric(live, "vllm:request_success_total", 'finished_reason="error"') == errors + 2
+    assert _metric(live, "vllm:request_success_total", 'finished_reason="abort"') == aborts
+
+
+def test_unknown_routes_and_methods_answer_in_openais_shape(served):
+    _, _, live = served
+    for method, path, status in (("GET", "/v1/nothing", 404), ("POST", "/v2/completions", 404),
+                                 ("GET", "/v1/completions", 405), ("DELETE", "/v1/models", 405)):
+        r = httpx.request(method, live.url + path)
+        assert r.status_code == status, (method, path)
+        error = r.json()["error"]
+        assert error["message"] and error["type"] == "invalid_request_error" and "detail" not in r.json()
+
+
+def test_continuous_usage_stats_report_usage_in_every_chunk(served):
+    _, _, live = served
+    with httpx.stream("POST", live.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "the house", "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 6 and all("usage" in e for e in events)
