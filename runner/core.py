@@ -97,8 +97,10 @@ class EngineCore:
     jitted steps), ``scheduler`` (the requests and slots, and each round's plan), ``prepare``
     (checks a request and returns its prompt ids) and ``tokenizer`` (None: no text)."""
 
-    def __init__(self, model, scheduler: Scheduler, prepare: Callable[[Request], list[int]], tokenizer=None):
+    def __init__(self, model, scheduler: Scheduler, prepare: Callable[[Request], list[int]], tokenizer=None,
+                 grammar_of: Optional[Callable[[Request], object]] = None):
         self.model, self.scheduler, self.prepare, self.tokenizer = model, scheduler, prepare, tokenizer
+        self.grammar_of = grammar_of  # a request's compiled JSON grammar (Request.json_schema)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, Sink] = {}  # submitted and not yet ended, by id (guarded by _ids)
         self._ids = threading.Lock()
@@ -218,11 +220,12 @@ class EngineCore:
     def _round(self) -> None:
         self._apply_commands()
         ready, self._pending = self._pending, []
-        if self.scheduler.free_slots():
+        if self.scheduler.free_slots() or self._constrained():
             # A slot is free, so a request arriving now could start at once: read the calls in
             # flight first, and plan this round after them. With every slot taken nothing new can
             # start, and this round is dispatched before they are read, so the device never waits
-            # for the host (measured at 1 request/s: TTFT p50 297 -> 235 ms; BENCHMARKS.md).
+            # for the host (measured at 1 request/s: TTFT p50 297 -> 235 ms; BENCHMARKS.md). A
+            # structured output's next mask needs its last token read, so it also reads first.
             if not self._read_all(ready):
                 return
             ready = []
@@ -232,7 +235,7 @@ class EngineCore:
             if plan.prefill:
                 self._dispatch_prefill(plan)
             if plan.decode:
-                out = self.model.run_decode(plan.decode_kv_len, plan.decode_steps)
+                out = self.model.run_decode(plan.decode_kv_len, plan.decode_steps, self._masks(plan.decode))
                 self._pending.append((out, {s.slot: s for s in plan.decode}, None))
         except Exception as e:  # a device call failed: its outputs, and the state, are lost
             self._fail_all(f"{type(e).__name__}: {e}")
@@ -240,6 +243,27 @@ class EngineCore:
         # The previous round's outputs (when every slot is taken), read once this round's calls
         # are queued behind them.
         self._read_all(ready)
+
+    def _constrained(self) -> bool:
+        return any(s.matcher is not None for s in self.scheduler.running())
+
+    def _masks(self, decoding: list[Sequence]):
+        """The decode call's ``TokenMask`` (host arrays): each structured output's allowed next
+        tokens, from its grammar as of its last token; None if no row has a grammar. A round with
+        a structured output reads every call before it plans (``_round``), so only a request whose
+        first token this round's prefill samples is unread: it is held for this call."""
+        constrained = [s for s in decoding if s.matcher is not None]
+        if not constrained:
+            return None
+        from runner.grammar import fill_masks
+
+        mask = self.model.host_mask()
+        rows = [(s.slot, s.matcher) for s in constrained if s.generated > 0]
+        if rows:
+            fill_masks(rows, mask.words)
+        mask.on[[slot for slot, _ in rows]] = True
+        mask.hold[[s.slot for s in constrained if s.generated == 0]] = True
+        return mask
 
     def _read_all(self, ready) -> bool:
         """Read ``ready`` (dispatched calls' outputs) one call at a time, so a prefill's first
@@ -265,6 +289,7 @@ class EngineCore:
         for i, row in enumerate(plan.prefill):
             def make_row(i=i, row=row):
                 prefill_row(batch, i, row, scheduler.eos_token)
+                self._first_mask(batch, i, row.sequence)
                 for block, index in scheduler.saves(row):  # last: nothing can fail after it
                     batch.save[i, block] = index
 
@@ -298,16 +323,31 @@ class EngineCore:
             one = scheduler.empty_batch(1, 1)
             one.reset[0] = one.last[0] = True
             try:
-                self._starting(sequence, True, lambda: request_row(one, 0, sequence, self.scheduler.eos_token))
+                def make_one(sequence=sequence):
+                    request_row(one, 0, sequence, self.scheduler.eos_token)
+                    self._first_mask(one, 0, sequence)
+
+                self._starting(sequence, True, make_one)
             except Exception as e:
                 self._free(sequence, release=False)
                 self._error(sequence.request, sequence.sink, 0, e)
                 continue
             self._pending.append((self.model.run_fork(logits, fork.row, leader.slot, one), {0: sequence}, None))
 
+    @staticmethod
+    def _first_mask(batch, i: int, sequence: Sequence) -> None:
+        """Row ``i``'s mask: a structured output's first token, where its last chunk samples it."""
+        if sequence.matcher is not None and batch.last[i]:
+            sequence.matcher.fill_mask(batch.mask[i])
+            batch.masked[i] = True
+
     def _starting(self, sequence: Sequence, first: bool, make_row: Callable[[], None]) -> None:
-        """Before ``sequence``'s row is dispatched: on its first chunk its detokenizer, and its
-        sink told that it left the queue."""
+        """Before ``sequence``'s row is dispatched: on its first chunk its detokenizer and its
+        grammar's matcher, and its sink told that it left the queue."""
+        if first and sequence.request.json_schema is not None:
+            from runner.grammar import Matcher
+
+            sequence.matcher = Matcher(self.grammar_of(sequence.request))
         if first:
             sequence.detokenizer = (IncrementalDetokenizer(self.tokenizer, sequence.ids, skip_special_tokens=
                                                            sequence.request.skip_special_tokens)
@@ -403,7 +443,15 @@ class EngineCore:
         sequence.generated += 1
         # the device applied the stop rule (runner.state.ends); here it is only named
         reason = finish_reason(token, request, self.scheduler.eos_token) if out.ended[step, column] else None
-        text = "" if reason in ("eos", "stop") or sequence.detokenizer is None else sequence.detokenizer.add(token)
+        grammar_done = False
+        if sequence.matcher is not None and reason not in ("eos", "stop"):
+            if not sequence.matcher.accept(token):  # the mask allowed it: a grammar engine's fault
+                raise RuntimeError(f"the JSON grammar refused token {token} that its own mask allowed "
+                                   f"({sequence.matcher.error or 'no error given'})")
+            grammar_done = reason is None and sequence.matcher.done
+            reason = "stop" if grammar_done else reason  # the document is complete: the request ends here
+        stopped = reason in ("eos", "stop") and not grammar_done  # a stop token's text is not part of the output
+        text = "" if stopped or sequence.detokenizer is None else sequence.detokenizer.add(token)
         if reason is not None:
             text += self._flush(sequence)
         logprob, top = None, ()
@@ -416,7 +464,7 @@ class EngineCore:
         event = TokenEvent(request, sequence.generated - 1, token, text, logprob, top, reason,
                            prompt_logprobs=prompt, cached_tokens=sequence.cached)
         if reason is not None:
-            self._free(sequence, release=False)  # the device stopped it itself
+            self._free(sequence, release=grammar_done)  # the device stopped it itself, unless the grammar did
             self._end(sequence.sink, event)
         else:
             sequence.sink.put(event)

@@ -211,7 +211,7 @@ class ModelRunner:
             return new_memory(config, b, dtype=self.kv_dtype)
 
         rows = jax.tree_util.tree_map(lambda _: replicated, jax.eval_shape(lambda: self._empty_rows()))
-        mask_sh = TokenMask(words=state_sh.counts, on=state_sh.active)
+        mask_sh = TokenMask(words=state_sh.counts, on=state_sh.active, hold=state_sh.active)
         step_out_sh = DecodeOutput(out_sh, replicated, replicated)
         self.forward = jax.jit(forward, in_shardings=(params_sh, None, None))
         self.new_memory = jax.jit(_new_memory, out_shardings=state_sh.memory)
@@ -262,7 +262,7 @@ class ModelRunner:
         """A ``TokenMask`` of ``rows`` rows (default: the batch) with every row off, as host arrays."""
         rows = self.batch_size if rows is None else rows
         return TokenMask(words=np.zeros((rows, -(-self.model.vocab_size // 32)), np.uint32),
-                         on=np.zeros((rows,), bool))
+                         on=np.zeros((rows,), bool), hold=np.zeros((rows,), bool))
 
     def _empty_rows(self) -> PrefillBatch:
         """A one-row, one-token prefill batch (the shapes of its fields' leading axes)."""
@@ -425,14 +425,14 @@ def fork(sampler, state: DecodeState, logits_BV, row, source, batch: PrefillBatc
 def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, kv_len: int, steps: int):
     """``steps`` decode steps of every slot (a scan on device), attending to the first ``kv_len``
     cache positions; each slot stops where ``ends`` says. A row whose ``mask`` is on takes the
-    first step only, under its mask. Pure, like ``prefill``."""
+    first step only, under its mask; one it holds takes none. Pure, like ``prefill``."""
     def one(state, step):
         split = jax.vmap(jax.random.split)(state.keys)  # [B, 2, 2]
         keys, sample_keys = split[:, 0], split[:, 1]
-        valid = state.active & ~(mask.on & (step > 0))
+        valid = state.active & ~mask.hold & ~(mask.on & (step > 0))
         lengths = valid.astype(jnp.int32)  # free, finished, prefilling and waiting slots do not advance
         out = apply({"params": params}, state.tokens[:, None], state.memory, lengths, False, kv_len)
-        rules = state.constraints(TokenMask(words=mask.words, on=mask.on & (step == 0)))
+        rules = state.constraints(mask.replace(on=mask.on & (step == 0)))
         sample = sample_token(out.logits[:, 0], state.settings, sample_keys, sampler, rules)
         tokens = jnp.where(valid, sample.token_id, state.tokens)
         remaining = state.remaining - lengths

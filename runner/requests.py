@@ -81,6 +81,10 @@ class Request:
     min_tokens: int = 0  # in [0, max_len]
     ignore_eos: bool = False  # EOS does not end the request (its stop_token_ids and max_len still do)
     skip_special_tokens: bool = True  # False: control tokens (EOS...) appear in the text as their pieces
+    # Structured output: a JSON schema the output must satisfy (``{"type": "object"}``: any JSON
+    # object). A grammar engine (``runner.grammar``) masks each token to those that keep the text a
+    # prefix of a valid document; the request ends once the document is complete.
+    json_schema: Optional[dict] = None
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)  # frozen: the checked values are set once, here
@@ -114,6 +118,9 @@ class Request:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Request.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ValueError(f"Request.json_schema must be a JSON schema (a dict) or None, got "
+                             f"{type(self.json_schema).__name__}")
         if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
             raise ValueError(f"Request.top_k must be an integer in [0, 2**31) (0 = off), got {self.top_k!r}")
         if not _is_int(self.max_len) or not 0 < self.max_len <= INT32_MAX:

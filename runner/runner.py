@@ -151,7 +151,7 @@ class InferenceRunner:
         self.scheduler = Scheduler(self.batch_size, self.pad_sizes, self.kv_buckets, self.config.sequence_len,
                                    budget, self.decode_steps, self.config.eos_token, prefix,
                                    vocab_size=self.config.vocab_size)
-        self.core = EngineCore(self.runner, self.scheduler, self.prepare, self.tokenizer)
+        self.core = EngineCore(self.runner, self.scheduler, self.prepare, self.tokenizer, self.grammar_of)
         if warmup:
             self._warmup()
 
@@ -255,7 +255,21 @@ class InferenceRunner:
         if request.prompt_logprobs is not None and not self.score_prompts:
             raise ValueError("Request.prompt_logprobs needs a runner made with score_prompts=True (its scoring "
                              "prefill variants are compiled at start), got a runner without")
+        if request.json_schema is not None:
+            self.grammar_of(request)  # compiled (and cached) now: a schema it cannot take is this request's error
         return ids
+
+    def grammar_of(self, request: Request):
+        """``request``'s compiled JSON grammar (``runner.grammar``; cached by schema)."""
+        if self.tokenizer is None:
+            raise ValueError("Request.json_schema needs a runner with a tokenizer (the grammar is over its pieces)")
+        from runner import grammar  # llguidance is imported by the first request that asks for it
+
+        try:
+            return grammar.for_tokenizer(self.tokenizer, self.config.vocab_size).compile_grammar(
+                "json_schema", request.json_schema)
+        except ValueError as e:
+            raise ValueError(f"Request.json_schema: {e}") from None
 
     def run(self, requests: Optional[Iterable[Request]] = None) -> "RunStream":
         """Stream ``TokenEvent``s for ``requests`` (an iterable, pulled as slots free up), and for any

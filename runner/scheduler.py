@@ -96,6 +96,7 @@ class Sequence:
     read_blocks: list = dataclasses.field(default_factory=list)  # the pool blocks holding them
     saved: int = 0  # prompt blocks in the prefix cache: read, or saved by a dispatched chunk
     detokenizer: object = None  # made when it is admitted
+    matcher: object = None  # its grammar's state (runner.grammar.Matcher), for a structured output
     chunks_done: int = 0  # chunks dispatched (a dispatched chunk always computes all its tokens)
     prefilled: int = 0  # prompt tokens dispatched
     decode_steps: int = 0  # decode steps dispatched since its last chunk (an upper bound of its tokens)

@@ -86,10 +86,13 @@ class PrefixPool:
 class TokenMask:
     """A decode call's allowed-token bitmasks (``Constraints.mask``), one row per slot: a row
     ``on`` samples its call's first step under its mask and then waits for the host, which
-    advances its grammar with that token and passes the next mask with the next call."""
+    advances its grammar with that token and passes the next mask with the next call. A row
+    ``hold`` takes no step at all (a structured output whose last token the host has not read
+    yet: its mask is not known)."""
 
     words: jax.Array  # [B, ceil(V / 32)] uint32
     on: jax.Array  # [B] bool
+    hold: jax.Array  # [B] bool
 
 @flax.struct.dataclass
 class DecodeState:

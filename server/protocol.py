@@ -4,6 +4,8 @@ and their translation into the runner's ``Request``s.
 Tolerant where vLLM is, never silently wrong:
 - a field this server does not know is accepted and logged once per name (vLLM's rule: clients
   send their own extras, and a 400 for each would break them);
+- structured output (``response_format`` json_object or json_schema, vLLM's ``guided_json`` and
+  ``structured_outputs``) becomes the request's ``json_schema``, which the runner compiles;
 - a known field whose meaning is not implemented (``best_of`` > 1, ``logit_bias``, ``suffix``,
   ``tools``, ``service_tier`` "flex", ``store`` true, ...) is a 400 naming it when it asks for
   something, never accepted and ignored;
@@ -14,6 +16,7 @@ naming the API's own field (``top_p``, not ``nucleus_p``).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -46,7 +49,7 @@ _API_NAMES = {"prompt": "prompt", "temperature": "temperature", "nucleus_p": "to
               "request_id": "request_id", "logprobs": "logprobs", "prompt_logprobs": "logprobs",
               "min_p": "min_p", "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
               "presence_penalty": "presence_penalty", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
-              "skip_special_tokens": "skip_special_tokens"}
+              "skip_special_tokens": "skip_special_tokens", "json_schema": "response_format"}
 MAX_STOPS = 4
 
 
@@ -128,10 +131,7 @@ class _Body(_Tolerant):
                    ("store", self.store, "store=true (nothing is stored)"),
                    ("service_tier", self.service_tier not in (None, "auto", "default"),
                     f"service_tier {self.service_tier!r} (only 'auto' and 'default')"),
-                   ("response_format", self.response_format not in (None, {"type": "text"}),
-                    f"response_format {self.response_format!r}"),
-                   ("guided_json", self.guided_json is not None, "guided_json"),
-                   ("structured_outputs", self.structured_outputs is not None, "structured_outputs"))
+)
         for name, asked, what in refused:
             if asked:
                 raise APIError(400, f"{name}: {what} is not supported by this server", name)
@@ -141,12 +141,44 @@ class _Body(_Tolerant):
             unknown = set(self.stream_options) - {"include_usage", "continuous_usage_stats"}
             if unknown:
                 raise APIError(400, f"stream_options: unknown option(s) {sorted(unknown)}", "stream_options")
+        self.json_schema()  # checked now, before anything runs
         stops = self.stops()
         if len(stops) > MAX_STOPS or any(not s for s in stops):
             raise APIError(400, f"stop: up to {MAX_STOPS} non-empty strings, got {self.stop!r}", "stop")
 
     def stops(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def json_schema(self) -> Optional[dict]:
+        """The schema a structured output must satisfy (``{"type": "object"}`` for any object), from
+        ``response_format`` or vLLM's ``guided_json`` / ``structured_outputs``; None: free text."""
+        given = [name for name in ("response_format", "guided_json", "structured_outputs")
+                 if getattr(self, name) not in (None, {"type": "text"})]
+        if len(given) > 1:
+            raise APIError(400, f"{given[1]}: give one of response_format, guided_json and structured_outputs, "
+                           f"got {given}", given[1])
+        if not given:
+            return None
+        name, value = given[0], getattr(self, given[0])
+        if name == "guided_json":
+            return _schema(value, name)
+        if name == "structured_outputs":
+            keys = set(value) - {"json", "json_object"}
+            if keys or len(value) != 1:
+                raise APIError(400, f"structured_outputs: only one of 'json' (a schema) or 'json_object' is "
+                               f"supported, got {sorted(value)}", "structured_outputs")
+            return {"type": "object"} if "json_object" in value else _schema(value["json"], "structured_outputs.json")
+        kind = value.get("type")
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise APIError(400, "response_format: json_schema needs {\"name\": ..., \"schema\": {...}}",
+                               "response_format")
+            return _schema(spec["schema"], "response_format")
+        raise APIError(400, f"response_format: type {kind!r} is not one of 'text', 'json_object', 'json_schema'",
+                       "response_format")
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -173,10 +205,23 @@ class _Body(_Tolerant):
                                    repetition_penalty=self.repetition_penalty,
                                    frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                                    min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                                   skip_special_tokens=self.skip_special_tokens))
+                                   skip_special_tokens=self.skip_special_tokens, json_schema=self.json_schema()))
             except ValueError as e:
                 raise bad_request(e, prompt_field) from None
         return out
+
+
+def _schema(value, field: str) -> dict:
+    """A JSON schema given as an object or as JSON text (vLLM's guided_json takes both)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise APIError(400, f"{field}: the schema is not JSON: {e}", field.split(".")[0]) from None
+    if not isinstance(value, dict):
+        raise APIError(400, f"{field}: a JSON schema must be an object, got {type(value).__name__}",
+                       field.split(".")[0])
+    return value
 
 
 class CompletionRequest(_Body):

@@ -3,6 +3,8 @@ ignore_eos) and the 64-bit seeds: each rule on the device against a plain numpy 
 same rule, then through the runner against a host loop of full forwards, side by side with
 requests that use none."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,3 +152,72 @@ def test_min_p_one_is_greedy_and_sampling_settings_mix(runner):
     c = runner.complete(Request(prompt, temperature=1.0, rng_seed=2**40, max_len=8)).token_ids
     assert a == b  # the same 64 bits
     assert a != c or a != runner.complete(Request(prompt, temperature=1.0, rng_seed=0, max_len=8)).token_ids
+
+
+# ---- structured output: the grammar's mask applied on the device ------------------------------
+SMALL_SCHEMAS = [
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"mood": {"enum": ["calm", "cross"]}, "n": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 9}},
+     "required": ["mood", "n"], "additionalProperties": False},
+    {"type": "object"},  # any object (response_format json_object)
+]
+
+
+def grammar_loop(runner, prompt, schema, n):
+    """Greedy structured output by full forwards: each step's logits masked by the grammar in
+    numpy (llguidance's own bitmask), argmax, the grammar advanced; until the document is complete."""
+    from runner.grammar import Matcher, apply_bitmask_numpy, num_mask_words
+
+    engine, matcher = runner.runner, Matcher(runner.grammar_of(Request([1], json_schema=schema)))
+    words = np.zeros(num_mask_words(CONFIG.vocab_size), np.uint32)
+    seq, out = list(prompt), []
+    for _ in range(n):
+        padded = np.zeros((1, CONFIG.sequence_len), np.int32)
+        padded[0, : len(seq)] = seq
+        logits = np.asarray(engine.forward(engine.params, padded, np.array([len(seq)])))[0, len(seq) - 1]
+        matcher.fill_mask(words)
+        token = int(apply_bitmask_numpy(logits, words).argmax())
+        assert matcher.accept(token)
+        out.append(token)
+        seq.append(token)
+        if matcher.done:
+            break
+    return out
+
+
+def test_greedy_structured_output_equals_the_host_rule(runner):
+    prompt = prompt_ids(990, 3)
+    for schema in SMALL_SCHEMAS:
+        want = grammar_loop(runner, prompt, schema, 50)
+        got = runner.complete(Request(prompt, temperature=0.0, max_len=50, json_schema=schema))
+        assert got.token_ids == want, schema
+        if got.finish_reason == "stop":
+            import jsonschema
+
+            jsonschema.validate(json.loads(got.text), schema)
+
+
+def test_structured_outputs_parse_and_validate_beside_free_text(runner):
+    import jsonschema
+
+    plain = [Request(prompt_ids(960 + i, 5), temperature=1.0, rng_seed=i, max_len=20) for i in range(2)]
+    alone = {r.request_id: tokens_of(e) for r, e in zip(plain, collect(runner.run(plain)).values())}
+    constrained = [Request(prompt_ids(970 + i, 2), temperature=1.0, rng_seed=i, max_len=60, json_schema=schema)
+                   for i in range(4) for schema in SMALL_SCHEMAS]
+    events = collect(runner.run(constrained[:5] + plain + constrained[5:]))
+    finished = 0
+    for r in constrained:
+        last = events[r.request_id][-1]
+        text = "".join(e.text for e in events[r.request_id])
+        assert last.finish_reason in ("stop", "length"), last
+        if last.finish_reason == "stop":  # the document is complete: it parses and validates
+            jsonschema.validate(json.loads(text), r.json_schema)
+            finished += 1
+    # a random model spends much of a 60-token budget on the whitespace JSON allows (up to 20
+    # characters a gap), so some end by length, their text a prefix of a valid document
+    assert finished >= len(constrained) // 4, finished
+    for r in plain:  # the masks of their neighbours do not reach them
+        assert tokens_of(events[r.request_id]) == alone[r.request_id]
+    with pytest.raises(ValueError, match="json_schema"):
+        runner.prepare(Request([1], max_len=8, json_schema={"type": "object", "not": {"type": "string"}}))
