@@ -106,9 +106,10 @@ class EngineCore:
         self._ids = threading.Lock()
         self._round_lock = threading.Lock()  # one thread runs rounds at a time
         self._changed = threading.Condition()  # notified after every round and command
-        # outputs not read yet: (a call's output, its columns' sequences, and a scoring prefill's
-        # PromptScores with each row's first prompt position, or None)
-        self._pending: list[tuple[object, dict[int, Sequence], Optional[tuple]]] = []
+        # outputs not read yet: (a call's output, its columns' sequences, a scoring prefill's
+        # PromptScores with each row's first prompt position or None, and the structured outputs
+        # it samples a token of: their ``unread`` counts it)
+        self._pending: list[tuple[object, dict[int, Sequence], Optional[tuple], list[Sequence]]] = []
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.broadcast = False  # several processes: process 0's commands go to all (see above)
@@ -220,12 +221,14 @@ class EngineCore:
     def _round(self) -> None:
         self._apply_commands()
         ready, self._pending = self._pending, []
-        if self.scheduler.free_slots() or self._constrained():
+        if self.scheduler.free_slots() or self._only_constrained():
             # A slot is free, so a request arriving now could start at once: read the calls in
             # flight first, and plan this round after them. With every slot taken nothing new can
             # start, and this round is dispatched before they are read, so the device never waits
             # for the host (measured at 1 request/s: TTFT p50 297 -> 235 ms; BENCHMARKS.md). A
-            # structured output's next mask needs its last token read, so it also reads first.
+            # structured output's next mask needs its last token read: when every slot holds one,
+            # reading first lets each take a token a call; beside free requests they keep the
+            # pipeline, and a structured output whose last token is unread waits a call (``_masks``).
             if not self._read_all(ready):
                 return
             ready = []
@@ -235,8 +238,9 @@ class EngineCore:
             if plan.prefill:
                 self._dispatch_prefill(plan)
             if plan.decode:
-                out = self.model.run_decode(plan.decode_kv_len, plan.decode_steps, self._masks(plan.decode))
-                self._pending.append((out, {s.slot: s for s in plan.decode}, None))
+                mask, stepping = self._masks(plan.decode)
+                out = self.model.run_decode(plan.decode_kv_len, plan.decode_steps, mask)
+                self._pending.append((out, {s.slot: s for s in plan.decode}, None, stepping))
         except Exception as e:  # a device call failed: its outputs, and the state, are lost
             self._fail_all(f"{type(e).__name__}: {e}")
             return
@@ -244,32 +248,34 @@ class EngineCore:
         # are queued behind them.
         self._read_all(ready)
 
-    def _constrained(self) -> bool:
-        return any(s.matcher is not None for s in self.scheduler.running())
+    def _only_constrained(self) -> bool:
+        running = self.scheduler.running()
+        return bool(running) and all(s.matcher is not None for s in running)
 
     def _masks(self, decoding: list[Sequence]):
-        """The decode call's ``TokenMask`` (host arrays): each structured output's allowed next
-        tokens, from its grammar as of its last token; None if no row has a grammar. A round with
-        a structured output reads every call before it plans (``_round``), so only a request whose
-        first token this round's prefill samples is unread: it is held for this call."""
+        """The decode call's ``TokenMask`` (host arrays; None if no row has a grammar) and the
+        structured outputs it samples: each whose tokens are all read takes one step under its
+        grammar's mask of allowed next tokens; one with a token still in flight is held."""
         constrained = [s for s in decoding if s.matcher is not None]
         if not constrained:
-            return None
+            return None, []
         from runner.grammar import fill_masks
 
         mask = self.model.host_mask()
-        rows = [(s.slot, s.matcher) for s in constrained if s.generated > 0]
-        if rows:
-            fill_masks(rows, mask.words)
-        mask.on[[slot for slot, _ in rows]] = True
-        mask.hold[[s.slot for s in constrained if s.generated == 0]] = True
-        return mask
+        stepping = [s for s in constrained if not s.unread]
+        if stepping:
+            fill_masks([(s.slot, s.matcher) for s in stepping], mask.words)
+        mask.on[[s.slot for s in stepping]] = True
+        mask.hold[[s.slot for s in constrained if s.unread]] = True
+        for s in stepping:
+            s.unread += 1
+        return mask, stepping
 
     def _read_all(self, ready) -> bool:
         """Read ``ready`` (dispatched calls' outputs) one call at a time, so a prefill's first
         tokens go out when it ends, not after the decode call that follows it. False if a device
         call failed (every request it served has ended)."""
-        for out, columns, scoring in ready:
+        for out, columns, scoring, sampled in ready:
             try:
                 out, scoring = jax.device_get((out, scoring))
             except Exception as e:
@@ -278,6 +284,8 @@ class EngineCore:
             if scoring is not None:
                 self._read_scores(*scoring, columns)
             self._read(out, columns)
+            for sequence in sampled:
+                sequence.unread -= 1
         return True
 
     def _dispatch_prefill(self, plan: RoundPlan) -> None:
@@ -312,7 +320,8 @@ class EngineCore:
             scheduler.prefix.commit()
         chunks = {i: (plan.prefill[i].start, plan.prefill[i].length) for i in columns}
         # a request's first token is its row's sample
-        self._pending.append((out, columns, None if scores is None else (scores, chunks)))
+        sampled = [s for i, s in columns.items() if batch.masked[i]]
+        self._pending.append((out, columns, None if scores is None else (scores, chunks), sampled))
         for fork in plan.forks:
             sequence, leader = fork.sequence, plan.prefill[fork.row].sequence
             if leader.finished:  # the leader's row was not computed: the copy prefills itself
@@ -332,7 +341,8 @@ class EngineCore:
                 self._free(sequence, release=False)
                 self._error(sequence.request, sequence.sink, 0, e)
                 continue
-            self._pending.append((self.model.run_fork(logits, fork.row, leader.slot, one), {0: sequence}, None))
+            self._pending.append((self.model.run_fork(logits, fork.row, leader.slot, one), {0: sequence}, None,
+                                  [sequence] if one.masked[0] else []))
 
     @staticmethod
     def _first_mask(batch, i: int, sequence: Sequence) -> None:
@@ -340,6 +350,7 @@ class EngineCore:
         if sequence.matcher is not None and batch.last[i]:
             sequence.matcher.fill_mask(batch.mask[i])
             batch.masked[i] = True
+            sequence.unread += 1
 
     def _starting(self, sequence: Sequence, first: bool, make_row: Callable[[], None]) -> None:
         """Before ``sequence``'s row is dispatched: on its first chunk its detokenizer and its

@@ -97,6 +97,7 @@ class Sequence:
     saved: int = 0  # prompt blocks in the prefix cache: read, or saved by a dispatched chunk
     detokenizer: object = None  # made when it is admitted
     matcher: object = None  # its grammar's state (runner.grammar.Matcher), for a structured output
+    unread: int = 0  # dispatched calls that sample a token of it, not read yet (a structured output's)
     chunks_done: int = 0  # chunks dispatched (a dispatched chunk always computes all its tokens)
     prefilled: int = 0  # prompt tokens dispatched
     decode_steps: int = 0  # decode steps dispatched since its last chunk (an upper bound of its tokens)
@@ -265,8 +266,11 @@ class Scheduler:
             # beside a prefill, one step: the round (the streams' gap between tokens) stays one
             # chunk's prefill long, and a prompt's next chunk, or the next prompt, comes sooner
             # with every slot taken nothing new can start: twice the steps, half the host's work a token
+            # structured outputs take one step a call (their next mask needs their token): a call
+            # of them alone is one step
             full = not self.slots.count(None)
-            steps = plan.decode_steps = 1 if rows else self.decode_steps * (2 if full else 1)
+            alone = all(s.matcher is not None for s in plan.decode)
+            steps = plan.decode_steps = 1 if rows or alone else self.decode_steps * (2 if full else 1)
             plan.decode_kv_len = smallest_at_least(self.kv_buckets, max(s.dispatched for s in plan.decode) + steps)
             for s in plan.decode:
                 s.decode_steps += steps
