@@ -302,7 +302,8 @@ def serve(argv) -> int:
     for line in runner.backend_report().splitlines():
         print(line if line.startswith("backend:") else f"  kernel {line}", file=sys.stderr)
     print(runner.kv_report(), file=sys.stderr)
-    print(f"serving {server.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    print(f"serving {server.model_name} on http://{args.host}:{args.port}/v1 (a chat page at "
+          f"http://{args.host}:{args.port}/)", file=sys.stderr)
     rc = serve_forever(server, args.host, args.port, limits)  # until Ctrl-C or SIGTERM, then a drain
     if jax.process_count() > 1 and rc == 0:
         jax.distributed.shutdown()
