@@ -35,7 +35,8 @@ def pytest_configure(config):
 # 2026-12-02): pytest-xdist hands whole files to its workers in collection order, and a long file
 # started last keeps one worker busy while the other idles. The rest keep their order.
 LONGEST_FIRST = ("test_server.py", "test_model.py", "test_http.py", "test_kv_int8.py",  # 150, 150, 70, 70
-                 "test_sampling.py", "test_reference_parity.py", "test_core.py")  # 64, 60, 40
+                 "test_sampling.py", "test_reference_parity.py", "test_chat_page.py",  # 64, 60, 40 (its server)
+                 "test_core.py", "test_prefix_cache.py")  # 40, 35
 
 
 def pytest_collection_modifyitems(items):
