@@ -8,9 +8,10 @@
   settings) into their slots of the decode state, and samples the first token of each request
   whose last chunk it is; compiled once per (rows, pad bucket, KV-length bucket), and once more
   per one-row shape that also scores every prompt position (``score``: prompt log-probabilities).
-- ``sample_step(params, state, kv_len, steps)`` -> ``steps`` decode steps of every slot in one
-  call (a scan on device, each slot stopping at its EOS, stop tokens or budget), attending to
-  the first ``kv_len`` cache positions only; compiled once per KV-length bucket.
+- ``sample_step(params, state, mask, kv_len, steps)`` -> ``steps`` decode steps of every slot in
+  one call (a scan on device, each slot stopping at its EOS, stop tokens or budget), attending to
+  the first ``kv_len`` cache positions only, each structured output's row one step under its
+  ``mask`` (``state.TokenMask``); compiled once per KV-length bucket.
 
 The step functions themselves, ``prefill`` and ``decode``, are pure and at module level; this
 class places the parameters, chooses the backend (``runner.selection``) and jits them. It also
@@ -265,7 +266,7 @@ class ModelRunner:
                          on=np.zeros((rows,), bool), hold=np.zeros((rows,), bool))
 
     def _empty_rows(self) -> PrefillBatch:
-        """A one-row, one-token prefill batch (the shapes of its fields' leading axes)."""
+        """A one-row, one-token prefill batch: the structure of every prefill batch."""
         from runner.scheduler import empty_batch
 
         return empty_batch(1, 1, self.batch_size, vocab_size=self.model.vocab_size)

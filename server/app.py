@@ -470,7 +470,8 @@ class Server:
                             # tokens, its count the tokens
                             self.metrics.itl.observe((now - last) / tokens)
                     piece += choice.add(event, top)
-                last = now
+                if last is not None:  # the next tokens' gap counts from these
+                    last = now
                 yield piece
         finally:
             with self._inflight_lock:

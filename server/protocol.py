@@ -130,8 +130,7 @@ class _Body(_Tolerant):
                    ("logit_bias", bool(self.logit_bias), "logit_bias"),
                    ("store", self.store, "store=true (nothing is stored)"),
                    ("service_tier", self.service_tier not in (None, "auto", "default"),
-                    f"service_tier {self.service_tier!r} (only 'auto' and 'default')"),
-)
+                    f"service_tier {self.service_tier!r} (only 'auto' and 'default')"))
         for name, asked, what in refused:
             if asked:
                 raise APIError(400, f"{name}: {what} is not supported by this server", name)
