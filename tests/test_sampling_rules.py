@@ -221,3 +221,23 @@ def test_structured_outputs_parse_and_validate_beside_free_text(runner):
         assert tokens_of(events[r.request_id]) == alone[r.request_id]
     with pytest.raises(ValueError, match="json_schema"):
         runner.prepare(Request([1], max_len=8, json_schema={"type": "object", "not": {"type": "string"}}))
+
+
+def test_the_kernels_cut_masked_logits_as_xla_does():
+    """Masked and banned tokens reach the top-k/top-p cut as -inf: the CPU kernel's radix select
+    keeps the same sets as XLA's sort (a row with one finite logit included)."""
+    from backends.cpu import CPU, build
+
+    if not build.available():
+        pytest.skip("no CPU sampling kernel on this machine")
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 2, (4, 300)).astype(np.float32)
+    logits[:, rng.random(300) < 0.7] = -np.inf
+    logits[3] = -np.inf
+    logits[3, 5] = 1.0
+    settings = SampleSettings.host(4, temperature=0.9, nucleus_p=0.8, top_k=5)
+    cut = jax.jit(filter_logits, static_argnums=2)
+    xla = np.asarray(cut(logits, settings, XLA()))
+    kernel = np.asarray(cut(logits, settings, CPU(on=frozenset({"sampling_cut", "logits_summary"}))))
+    np.testing.assert_array_equal(np.isfinite(xla), np.isfinite(kernel))
+    assert np.isfinite(xla[3]).tolist() == [t == 5 for t in range(300)]
