@@ -2,8 +2,8 @@
 
 A request with ``{"type": "json_object"}`` or ``{"type": "json_schema", ...}`` gets a ``Matcher``.
 Each decode step the engine asks it for a bitmask of the allowed next tokens, masks the logits on
-device, samples, and feeds the sampled token back with ``accept``. When the JSON is complete only
-EOS is allowed, so the request ends.
+device, samples, and feeds the sampled token back with ``accept``. When the JSON is complete
+(``done``: only EOS may follow) the engine core ends the request at once (``runner/core.py``).
 
 The grammar engine is llguidance (an Earley parser over a lexer, walking a trie of the vocabulary
 for each mask). The three maintained engines, measured on a shared, loaded 2-core CPU (so +-50%):
