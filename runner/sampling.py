@@ -132,8 +132,8 @@ def sample_token(logits_BV, settings: SampleSettings, keys_B2, backend=DEFAULT_B
             out = process_logits(raw_BV, settings, rules)
             return out, argmax(out).astype(jnp.int32)
 
-        processed = jax.lax.cond(needs_processing(settings, rules), process,
-                                 lambda: (raw_BV, jnp.zeros(greedy_B.shape, jnp.int32)))
+        needs = needs_processing(settings, rules)
+        processed = jax.lax.cond(needs, process, lambda: (raw_BV, jnp.zeros(greedy_B.shape, jnp.int32)))
         logits_BV = processed[0]
 
     def draw():
@@ -163,7 +163,7 @@ def sample_token(logits_BV, settings: SampleSettings, keys_B2, backend=DEFAULT_B
 
     top_probs, top_ids, lse_B, argmax_B = jax.lax.cond(asked, summary, bare)
     if processed is not None:
-        argmax_B = jnp.where(needs_processing(settings, rules), processed[1], argmax_B)
+        argmax_B = jnp.where(needs, processed[1], argmax_B)
     token_B = jnp.where(greedy_B, argmax_B, sampled_B).astype(jnp.int32)
     logprob_B = jnp.take_along_axis(raw_BV, token_B[:, None], axis=-1)[:, 0] - lse_B
     return SampleOutput(token_id=token_B, logprob=jnp.where(asked, logprob_B, 0.0), top_k_token_ids=top_ids,
