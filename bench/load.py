@@ -7,8 +7,8 @@ Every server serves the bench config's dimensions (``bench/common.py``, with the
 tokenizer's 8,192-token vocabulary) with random weights in float32, 8 sequences at a time, on the
 machine's 2 threads, and gets the same requests: prompts of random token ids (so every server
 computes the same number of prompt tokens), greedy, streamed, ``ignore_eos`` for the peers (ours
-has no such field yet: its checkpoint names the last id EOS; each scenario reports its finish
-reasons). A chunk's tokens are counted by its logprobs where it has them (ours streams what one
+gets a checkpoint that names the last id EOS instead, so that a tree from before issue 24, which
+had no such field, gets the same requests; each scenario reports its finish reasons). A chunk's tokens are counted by its logprobs where it has them (ours streams what one
 decode call made as one chunk, so it is asked for ``logprobs: 0``), else one a chunk. Each server runs alone (started, measured, stopped), one after the other.
 
 - ``rate1``: 32 requests arriving as a Poisson process at 1 request/s, 128-token prompts, 64 new
@@ -157,8 +157,8 @@ def ours_checkpoint(directory: str) -> str:
     from model import init_params
     from runner.runner import default_checkpoint
 
-    # EOS is named an id past the tokenizer's pieces' use (the last one): ours has no ignore_eos
-    # yet, and every server should generate every token asked for
+    # EOS is named an id past the tokenizer's pieces' use (the last one): trees before issue 24 have
+    # no ignore_eos, and every server should generate every token asked for
     config = dataclasses.replace(BENCH, vocab_size=VOCAB, eos_token=VOCAB - 1)
     path = os.path.join(directory, "ours")
     save(path, init_params(config, jax.random.PRNGKey(0)), config,
