@@ -106,6 +106,7 @@ def host_loop(runner, prompt, n, rp=1.0, fp=0.0, pp=0.0, banned_until=0, stop=()
 
 def test_penalties_through_the_runner_equal_the_host_rule_beside_plain_requests(runner):
     prompts = [prompt_ids(700 + i, 6 + 3 * i) for i in range(4)]
+    prompts[0] = prompt_ids(700, 40)  # prefilled in two chunks (32 + 8): both mark the prompt's tokens
     cases = [dict(repetition_penalty=1.6), dict(frequency_penalty=1.2), dict(presence_penalty=-1.5),
              dict(repetition_penalty=0.8, frequency_penalty=0.4, presence_penalty=0.6)]
     n = 12
@@ -241,3 +242,22 @@ def test_the_kernels_cut_masked_logits_as_xla_does():
     kernel = np.asarray(cut(logits, settings, CPU(on=frozenset({"sampling_cut", "logits_summary"}))))
     np.testing.assert_array_equal(np.isfinite(xla), np.isfinite(kernel))
     assert np.isfinite(xla[3]).tolist() == [t == 5 for t in range(300)]
+
+
+def test_a_cancelled_structured_output_leaves_its_neighbours_alone(runner):
+    """A constrained request cancelled mid-way (its slot held or stepping) frees its slot; the free
+    requests beside it, and one that takes its slot, get their solo tokens."""
+    plain = [Request(prompt_ids(980 + i, 5), temperature=1.0, rng_seed=i, max_len=24) for i in range(4)]
+    alone = {r.request_id: tokens_of(e) for r, e in zip(plain, collect(runner.run(plain)).values())}
+    constrained = Request(prompt_ids(985, 3), temperature=1.0, rng_seed=9, max_len=50, json_schema={"type": "object"})
+    stream = runner.run()
+    for r in [constrained] + plain:  # 4 slots: the last plain request waits for the cancelled one's
+        stream.submit(r)
+    events = {}
+    for event in iter(lambda: next(stream), None):
+        events.setdefault(event.request_id, []).append(event)
+        if event.request_id == constrained.request_id and event.index == 2 and not event.finish_reason:
+            assert stream.cancel(constrained.request_id)
+    assert events[constrained.request_id][-1].finish_reason == "cancelled"
+    for r in plain:
+        assert tokens_of(events[r.request_id]) == alone[r.request_id]
