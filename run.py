@@ -72,6 +72,11 @@ def parse_args(argv):
                    help="what the KV cache holds (default: the activation dtype); int8 keeps one float32 scale a "
                    "token and KV head, 3.8x the tokens of float32 in the same memory at key_size 64, at the "
                    "error BENCHMARKS.md measures")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="quantise the float weights of the experts and attention projections to int8 at load "
+                   "(per output channel); on one CPU device the int8 kernels then read a quarter of the bytes a "
+                   "step (BENCHMARKS.md measures the speed and the logit error). int8 checkpoints (the shipped "
+                   "model, Grok-1) are read as int8 without it")
     p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto",
                    help="where the operations run (kernels/): xla is pure JAX on any devices; cpu is one CPU "
                    "device with every C++ kernel; auto (default) is cpu on one CPU device with each kernel "
@@ -236,6 +241,7 @@ def serve(argv) -> int:
                    help="what the KV cache holds (default: the activation dtype); int8 keeps one float32 scale a "
                    "token and KV head, 3.8x the tokens of float32 in the same memory at key_size 64, at the "
                    "error BENCHMARKS.md measures")
+    p.add_argument("--quantize", choices=["int8"], default=None, help="see run.py --help")
     p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto", help="see run.py --help")
     p.add_argument("--compile-cache", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
@@ -276,7 +282,8 @@ def serve(argv) -> int:
         p.error(f"--checkpoint {checkpoint!r} is not a directory")
     try:
         runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, model=args.config,
-                                                    backend=args.backend, kv_dtype=args.kv_dtype),
+                                                    backend=args.backend, kv_dtype=args.kv_dtype,
+                                                    quantize=args.quantize),
                                  tokenizer_path=args.tokenizer, batch_size=args.batch_size,
                                  local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
                                  score_prompts=args.max_scored_tokens != 0, decode_steps=args.decode_steps,
@@ -368,7 +375,7 @@ def generate(parser, args, start: float) -> int:
     try:
         runner = InferenceRunner(
             runner=ModelRunner(checkpoint_path=checkpoint, model=config, dtype=args.dtype, backend=args.backend,
-                               kv_dtype=args.kv_dtype),
+                               kv_dtype=args.kv_dtype, quantize=args.quantize),
             tokenizer_path=args.tokenizer, local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
             batch_size=args.batch_size)
         runner.initialize()

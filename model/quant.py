@@ -13,6 +13,8 @@ divides K works on any mesh.
 
 from __future__ import annotations
 
+import re
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -82,3 +84,22 @@ def quantize(w, *, groups: int = 1, scale_dtype=jnp.bfloat16) -> QuantizedWeight
     q = jnp.round(grouped / scales.astype(jnp.float32)[..., :, None, :])
     weight = jnp.clip(q, -127, 127).astype(jnp.int8).reshape(*lead, k, n)
     return QuantizedWeight8bit(weight=weight, scales=scales)
+
+
+# The weights Grok-1 ships in int8: the experts' and the attention projections' (GROK1.md §4)
+QUANTIZABLE = re.compile(r"(.*/)?(moe/(linear|linear_v|linear_1)|multi_head_attention/(query|key|value|linear))/w")
+
+
+def quantize_params(params, *, groups: int = 1, scale_dtype=jnp.float32):
+    """``params`` with every float weight that Grok-1 ships in int8 (``QUANTIZABLE``: the experts
+    and the attention projections) quantised by ``quantize`` (per output channel; float32 scales
+    by default, so the only error is the int8 rounding). Weights already int8 and all other
+    leaves are unchanged."""
+    from model.sharding import path_str
+
+    def one(path, w):
+        if is_quantized(w) or not QUANTIZABLE.fullmatch(path_str(path)):
+            return w
+        return quantize(w, groups=groups, scale_dtype=scale_dtype)
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quantized)

@@ -35,11 +35,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
 from model.memory import KV_DTYPES, KVMemory, kv_zeros, new_memory
+from model.quant import quantize_params
 from model.sharding import (DEFAULT_RULES, KV_MEMORY_AXES, activation_sharding, make_mesh, memory_specs,
                             param_shardings, spec_for)
 from model.transformer import LanguageModel
 from runner.sampling import Constraints, SampleOutput, SampleSettings, sample_token, score_positions
-from runner.selection import BACKENDS, Selection, choose, start
+from runner.selection import BACKENDS, Selection, choose, one_cpu_device, start
 from runner.state import MAX_STOP_IDS, DecodeOutput, DecodeState, PrefillBatch, PrefixPool, TokenMask, ends
 
 log = logging.getLogger("grok_runner")
@@ -59,10 +60,17 @@ class ModelRunner:
     bs_per_device: float = 1.0
     mesh: Mesh | None = None
     rules: dict | None = None
-    # Activation dtype override. From a checkpoint on CPU the default is float32 with int8 weights
-    # dequantised once at load: XLA:CPU runs bf16/int8 matmuls 20-40x slower than fp32 (DESIGN.md).
+    # Activation dtype override. From a checkpoint on CPU the default is float32: XLA:CPU runs
+    # bf16/int8 matmuls 20-40x slower than fp32 (DESIGN.md).
     dtype: str | None = None
-    dequantize: bool | None = None  # int8 -> float at load; default: on CPU only
+    # int8 weights -> float at load. Default: with the CPU backend on one CPU device, int8 weights
+    # stay int8 and the int8 panel kernels read them where the calibration takes them (the rest
+    # are dequantised once, by the backend's prepare); with XLA on a CPU, dequantised at load;
+    # kept int8 elsewhere.
+    dequantize: bool | None = None
+    # Quantise the float weights of the experts and attention projections to int8 at load:
+    # None, or "int8" (symmetric, per output channel, float32 scales: model.quant.quantize_params).
+    quantize: str | None = None
     # What the KV cache (and the prefix pool) holds: None, the activations' dtype; "int8", int8
     # values and a float32 scale a token and KV head (model.memory.QuantizedKV): 3.8x the tokens
     # of a float32 cache in the same bytes at key_size 64, at a bounded error (README).
@@ -98,6 +106,10 @@ class ModelRunner:
             self._restore()
         elif self.model is None:
             raise ValueError("ModelRunner.model (a ModelConfig) is required with params")
+        if self.quantize is not None:
+            if self.quantize != "int8":
+                raise ValueError(f"ModelRunner.quantize must be None or 'int8', got {self.quantize!r}")
+            self.params = quantize_params(self.params)
         if self.dtype is not None:
             self.model = dataclasses.replace(self.model, fprop_dtype=self.dtype)
         self.batch_size = batch_size or max(1, int(self.bs_per_device * self.mesh.size))
@@ -143,9 +155,10 @@ class ModelRunner:
         if self.checkpoint_path is None:
             raise ValueError("ModelRunner needs checkpoint_path or params")
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
-        dequantize = on_cpu if self.dequantize is None else self.dequantize
+        kernels_may_read_int8 = self.backend != "xla" and one_cpu_device(self.mesh)
+        dequantize = on_cpu and not kernels_may_read_int8 if self.dequantize is None else self.dequantize
         restored = restore(self.checkpoint_path, mesh=self.mesh, config=self.model, rules=self.rules,
-                           dequantize=dequantize, dtype=np.float32 if dequantize else None)
+                           dequantize=dequantize, dtype=np.float32 if on_cpu else None)
         self.model, self.params = restored.config, restored.params
         if self.dtype is None and on_cpu:
             self.dtype = "float32"

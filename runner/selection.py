@@ -69,7 +69,7 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
         return Selection(XLA.for_platform(platform), f"auto: {where}")
 
     from backends.cpu import CPU, OPERATIONS, build, calibration
-    from backends.cpu.layout import moe_weight_dtypes
+    from backends.cpu.layout import MOE_WEIGHT, PROJECTION, weight_dtypes
     from backends.cpu.ops import MAX_GROUP, MAX_HEAD, decode_attention_fits
 
     c = config
@@ -81,9 +81,15 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
     for op in calibration.WEIGHT_OPERATIONS:
         if jnp.dtype(c.fprop_dtype) != jnp.float32:
             needs[op].append(f"float32 activations (they are {c.fprop_dtype})")
-    held = sorted(moe_weight_dtypes(params) - {"float32"})
-    if held:
-        needs["moe"].append(f"float32 experts, and these are {', '.join(held)} (dequantize=True converts int8 at load)")
+    int8_weights = set()
+    for op, pattern, what in (("moe", MOE_WEIGHT, "experts"), ("projections", PROJECTION, "attention projections")):
+        held = weight_dtypes(params, pattern)
+        if held - {"float32", "int8"}:
+            needs[op].append(f"float32 or int8 {what}, and these are {', '.join(sorted(held))}")
+        elif held == {"int8"}:
+            int8_weights.add(op)  # timed on the int8 kernel against XLA's dot by the float32 copy
+        elif len(held) > 1:
+            needs[op].append(f"{what} all float32 or all int8, and these are {', '.join(sorted(held))}")
     if not decode_attention_fits(c.num_q_heads, c.num_kv_heads, c.key_size):
         needs["attention"].append(f"head sizes up to {MAX_HEAD} and at most {MAX_GROUP} query heads a KV head")
     kv_dtype = jnp.dtype(c.dtype if kv_dtype is None else kv_dtype).name
@@ -94,13 +100,16 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
         if blocked:
             raise ValueError("backend='cpu' takes every CPU kernel, and " + "; ".join(
                 f"{op} needs {', '.join(why)}" for op, why in blocked.items()))
-        choices = {op: calibration.Choice(op, True, reason="backend='cpu'") for op in OPERATIONS}
-        return Selection(CPU(on=frozenset(OPERATIONS)), "backend='cpu'", choices)
+        choices = {op: calibration.Choice(op, True, reason="backend='cpu'", int8=op in int8_weights)
+                   for op in OPERATIONS}
+        return Selection(CPU(on=frozenset(OPERATIONS), int8=frozenset(int8_weights)), "backend='cpu'", choices)
     choices = {op: calibration.Choice(op, False, reason="it needs " + "; ".join(why)) for op, why in needs.items() if why}
     to_measure = [op for op in OPERATIONS if op not in choices]
     if to_measure:
         tokens = calibration_tokens or min(256, c.sequence_len)
-        choices.update(calibration.calibrate(to_measure, c, batch, tokens, tokens, kv_dtype=kv_dtype))
+        choices.update(calibration.calibrate(to_measure, c, batch, tokens, tokens, kv_dtype=kv_dtype,
+                                             int8_weights=frozenset(int8_weights)))
     choices = {op: choices[op] for op in OPERATIONS}
     on = frozenset(op for op, choice in choices.items() if choice.kernel)
-    return Selection(CPU(on=on), "auto: one CPU device; each kernel where measured faster here", choices)
+    int8 = frozenset(op for op, choice in choices.items() if choice.int8)
+    return Selection(CPU(on=on, int8=int8), "auto: one CPU device; each kernel where measured faster here", choices)

@@ -39,6 +39,24 @@ def test_a_kernel_is_taken_only_where_it_is_faster_at_every_shape():
     assert described == "moe: XLA (kernel speed / XLA's: decode 8 rows 2.00x, prefill 256 rows 0.67x)"
 
 
+def test_an_int8_kernel_is_taken_only_where_it_beats_xla_and_the_float_kernel():
+    def m(phase, speedup):
+        return Measurement(phase, 8, kernel_s=1.0 / speedup, xla_s=1.0)
+
+    # a bandwidth-bound model: int8 reads a quarter of the bytes
+    chosen = calibration.decide_int8("moe", [m("decode", 5.0), m("prefill", 2.0)], [m("decode", 2.0), m("prefill", 1.5)])
+    assert chosen.kernel and chosen.int8
+    assert chosen.describe() == ("moe: int8 kernel (int8 kernel speed / XLA's: decode 8 rows 5.00x, prefill 8 rows "
+                                 "2.00x; kernel speed / XLA's: decode 8 rows 2.00x, prefill 8 rows 1.50x)")
+    # float weights in cache: the float kernel wins, and the weights are dequantised for it
+    chosen = calibration.decide_int8("moe", [m("decode", 3.0), m("prefill", 2.0)], [m("decode", 7.0), m("prefill", 3.0)])
+    assert chosen.kernel and not chosen.int8 and chosen.describe().startswith("moe: kernel on the float32 copy")
+    # both slower than XLA's dot at one shape
+    chosen = calibration.decide_int8("moe", [m("decode", 3.0), m("prefill", 0.9)], [m("decode", 2.0), m("prefill", 0.8)])
+    assert not chosen.kernel and not chosen.int8
+    assert chosen.describe().startswith("moe: XLA's dot on the float32 copy")
+
+
 @needs_kernel
 def test_the_runner_declines_a_kernel_the_calibration_finds_slower(tiny_params, private_cache, monkeypatch):
     slower = {"moe", "unembed", "sampling_cut"}
@@ -120,6 +138,7 @@ def test_a_torn_cache_file_is_measured_again(private_cache, monkeypatch):
 AVX2_CHECK = """
 import jax, jax.numpy as jnp, numpy as np
 from backends.cpu import build, ops as panel
+from model.quant import dequantize, quantize
 assert build.available(), build.unavailable_reason()
 rng = np.random.default_rng(0)
 for rows in range(0, 15):
@@ -128,6 +147,10 @@ for rows in range(0, 15):
         w = rng.standard_normal((k, n), np.float32)
         got = np.asarray(panel.panel_matmul(jnp.asarray(x), jnp.asarray(panel.pack(w)), n))
         np.testing.assert_allclose(got, x @ w, rtol=1e-4, atol=1e-4)
+        q = quantize(jnp.asarray(w), groups=1 if k == 33 else 4)
+        held = panel.Int8PanelWeight.of(q)
+        got = np.asarray(panel.int8_panel_matmul(jnp.asarray(x), held.panels, held.scales, n))
+        np.testing.assert_allclose(got, x @ np.asarray(dequantize(q, jnp.float32)), rtol=1e-4, atol=1e-4)
 print("ok", build.library_path().name)
 """
 

@@ -14,6 +14,7 @@ from backends import XLA
 from backends.cpu import CPU, OPERATIONS, build, ops as panel
 from backends.cpu.layout import ExpertWeights, prepare
 from model import TINY, forward, init_params
+from model.quant import QuantizedWeight8bit, dequantize, quantize
 from model.sharding import make_mesh
 from runner import ModelRunner
 from tests.test_quant import quantize_params
@@ -123,6 +124,108 @@ def test_panel_matmul_keeps_leading_dimensions():
     np.testing.assert_allclose(got, np.asarray(x) @ w, rtol=1e-5, atol=1e-5)
 
 
+def _int8_weight(key, shape, groups):
+    return quantize(jax.random.normal(key, shape), groups=groups, scale_dtype=jnp.bfloat16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 9, 13, 40])
+@pytest.mark.parametrize("k, n, groups", [(64, 96, 1), (64, 37, 4), (33, 5, 3), (96, 70, 8)])
+def test_int8_panel_matmul_equals_the_product_by_the_dequantised_weight(rows, k, n, groups):
+    key = jax.random.PRNGKey(rows * 100 + n)
+    x = jax.random.normal(key, (rows, k))
+    w = _int8_weight(jax.random.fold_in(key, 1), (k, n), groups)
+    held = panel.Int8PanelWeight.of(w)
+    assert held.panels.dtype == jnp.int8 and held.scales.shape == (-(-n // 32), groups, 32) and held.shape == (k, n)
+    got = jax.jit(panel.int8_panel_matmul, static_argnums=3)(x, held.panels, held.scales, n)
+    np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(dequantize(w, jnp.float32)), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("sizes", [[0, 0, 0], [1, 0, 2], [13, 9, 0], [0, 40, 1]])
+def test_grouped_int8_matmul_multiplies_each_group_by_its_int8_expert(sizes):
+    k, n = 48, 70
+    w = _int8_weight(jax.random.PRNGKey(0), (3, k, n), 2)
+    x = jax.random.normal(jax.random.PRNGKey(1), (sum(sizes) + 2, k))  # 2 rows past the last group
+    held = panel.Int8PanelWeight.of(w)
+    got = panel.grouped_int8_matmul(x, held.panels, held.scales, jnp.asarray(sizes, jnp.int32), n)
+    np.testing.assert_allclose(got, _grouped_reference(np.asarray(x), np.asarray(dequantize(w, jnp.float32)), sizes),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_int8_panel_matmul_rejects_what_it_cannot_do():
+    panels, scales = jnp.zeros((2, 16, panel.PANEL), jnp.int8), jnp.ones((2, 4, panel.PANEL), jnp.float32)
+    with pytest.raises(ValueError, match="int8 panels and float32 scales"):
+        panel.int8_panel_matmul(jnp.zeros((1, 16)), panels.astype(jnp.float32), scales, 40)
+    with pytest.raises(ValueError, match="do not match int8 panels"):
+        panel.int8_panel_matmul(jnp.zeros((1, 16)), panels, jnp.ones((2, 3, panel.PANEL)), 40)  # 3 does not divide 16
+    with pytest.raises(ValueError, match="n=65 is not the width"):
+        panel.int8_panel_matmul(jnp.zeros((1, 16)), panels, scales, 65)
+
+
+@needs_kernel
+def test_int8_weights_run_on_the_int8_kernels_without_a_float_copy():
+    """backend='cpu' with int8 experts and projections (Grok-1's grouped scales): the kernels read
+    them as int8, and the logits are the dequantised model's up to float32 rounding."""
+    params = quantize_params(init_params(TINY, jax.random.PRNGKey(0)), groups=2)
+    engine = ModelRunner(model=TINY, params=params, backend="cpu")
+    engine.initialize()
+    assert engine.selection.backend.int8 == {"moe", "projections"}
+    assert "int8 weights read as int8: moe, projections" in engine.backend_report()
+    layer = engine.params["transformer"]["decoder_layer_0"]
+    for w in (layer["moe"]["linear"]["w"], layer["moe"]["linear_1"]["w"], layer["multi_head_attention"]["query"]["w"]):
+        assert isinstance(w, panel.Int8PanelWeight) and w.panels.dtype == jnp.int8
+    floats = [a for a in jax.tree_util.tree_leaves(engine.params) if a.dtype == jnp.float32 and a.size >= 8 * 32 * 32]
+    assert sum(a.size for a in floats) <= TINY.vocab_size * TINY.emb_size + 4 * TINY.num_layers * TINY.emb_size * 64
+    deq = ModelRunner(model=TINY, params=jax.tree_util.tree_map(
+        lambda w: dequantize(w, jnp.float32), params, is_leaf=lambda x: isinstance(x, QuantizedWeight8bit)),
+        backend="xla")
+    deq.initialize()
+    tokens, lengths = np.array([[5, 9, 13, 2, 7], [3, 4, 0, 0, 0]], np.int32), np.array([5, 2], np.int32)
+    np.testing.assert_allclose(engine.forward(engine.params, tokens, lengths), deq.forward(deq.params, tokens, lengths),
+                               atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_int8_weights_no_kernel_takes_are_dequantised_once():
+    params = quantize_params(init_params(TINY, jax.random.PRNGKey(0)))
+    held = CPU(on=frozenset({"moe"}), int8=frozenset({"moe"})).prepare(params)
+    layer = held["transformer"]["decoder_layer_0"]
+    assert isinstance(layer["moe"]["linear"]["w"], panel.Int8PanelWeight)
+    query = layer["multi_head_attention"]["query"]["w"]
+    assert isinstance(query, jax.Array) and query.dtype == jnp.float32
+    np.testing.assert_array_equal(query, dequantize(params["transformer"]["decoder_layer_0"]["multi_head_attention"]
+                                                    ["query"]["w"], jnp.float32))
+    floats = CPU(on=frozenset({"moe"})).prepare(params)  # the kernel, on the float32 copy
+    assert isinstance(floats["transformer"]["decoder_layer_0"]["moe"]["linear"]["w"], panel.PanelWeight)
+    with pytest.raises(ValueError, match="CPU\\(int8=...\\) must name operations of on"):
+        CPU(on=frozenset({"moe"}), int8=frozenset({"projections"}))
+
+
+@needs_kernel
+def test_float_weights_quantised_at_load_run_as_int8():
+    from model.quant import quantize_params as quantize_at_load
+
+    params = init_params(TINY, jax.random.PRNGKey(0))
+    engine = ModelRunner(model=TINY, params=params, backend="cpu", quantize="int8")
+    engine.initialize()
+    assert isinstance(_moe_weight(engine), panel.Int8PanelWeight)
+    assert isinstance(_moe_weight_of(params), jax.Array)  # the caller's tree is untouched
+    quantized = quantize_at_load(params)
+    q = _moe_weight_of(quantized)
+    assert q.scales.dtype == jnp.float32 and q.scales.shape == (TINY.num_experts, 1, TINY.ffn_size)
+    assert isinstance(quantized["transformer"]["decoder_layer_0"]["router"]["w"], jax.Array)  # the router stays float
+    tokens, lengths = np.array([[5, 9, 13, 2, 7]], np.int32), np.array([5], np.int32)
+    got = np.asarray(engine.forward(engine.params, tokens, lengths))
+    deq = jax.tree_util.tree_map(lambda w: dequantize(w, jnp.float32), quantized,
+                                 is_leaf=lambda x: isinstance(x, QuantizedWeight8bit))
+    np.testing.assert_allclose(got, forward(deq, tokens, TINY).logits, atol=1e-4, rtol=1e-4)
+    floats = np.asarray(forward(params, tokens, TINY).logits)
+    assert 0 < np.abs(got - floats).max() < 0.05 * np.abs(floats).max()  # the int8 rounding, and only that
+    with pytest.raises(ValueError, match="quantize must be None or 'int8', got 'int4'"):
+        ModelRunner(model=TINY, params=params, quantize="int4").initialize()
+
+
 def test_panel_matmul_rejects_what_it_cannot_do():
     panels = jnp.zeros((2, 16, panel.PANEL), jnp.float32)
     with pytest.raises(ValueError, match="float32 only"):
@@ -213,9 +316,11 @@ def test_auto_keeps_xla_ops_where_a_kernel_does_not_apply():
     assert not isinstance(_moe_weight(sharded), ExpertWeights)
     with pytest.raises(ValueError, match="backend='cpu' runs on one CPU device; the mesh has 2 cpu devices"):
         ModelRunner(model=TINY, params=params, mesh=mesh, backend="cpu").initialize()
-    # only float32 experts are packed: asking for every kernel with int8 ones is an error, not a no-op
-    with pytest.raises(ValueError, match="moe needs float32 experts, and these are int8"):
-        ModelRunner(model=TINY, params=quantize_params(params, groups=2), backend="cpu").initialize()
+    # experts neither float32 nor int8 are not packed: asking for every kernel is an error, not a no-op
+    bf16_experts = jax.tree_util.tree_map_with_path(
+        lambda path, w: w.astype(jnp.bfloat16) if "moe" in str(path) else w, params)
+    with pytest.raises(ValueError, match="moe needs float32 or int8 experts, and these are bfloat16"):
+        ModelRunner(model=TINY, params=bf16_experts, backend="cpu").initialize()
     with pytest.raises(ValueError, match="backend must be one of"):
         ModelRunner(model=TINY, params=params, backend="gpu").initialize()
 

@@ -59,3 +59,33 @@ def test_run_py_uses_the_default_model(capsys):
     out, err = capsys.readouterr()
     assert out.startswith("Mr. Darcy") and len(out.split()) > 4
     assert "time to first token" in err and "compilations" in err
+
+
+
+def test_the_shipped_int8_weights_are_read_as_int8_with_the_dequantised_logits():
+    """The shipped checkpoint's int8 experts and projections, on the int8 kernels (backend='cpu'):
+    no float copy, and the logits and greedy tokens of its float32 copy on XLA."""
+    import numpy as np
+
+    from backends.cpu import build, ops
+    from runner import InferenceRunner, ModelRunner
+
+    if not build.available():
+        pytest.skip(f"CPU kernels: {build.unavailable_reason()}")
+    runners = [InferenceRunner(runner=ModelRunner(checkpoint_path=str(DEFAULT), backend="cpu"), batch_size=1),
+               InferenceRunner(runner=ModelRunner(checkpoint_path=str(DEFAULT), backend="xla", dequantize=True),
+                               batch_size=1)]
+    for runner in runners:
+        runner.initialize()
+    int8, floats = (runner.runner for runner in runners)
+    layer = int8.params["transformer"]["decoder_layer_0"]
+    assert isinstance(layer["moe"]["linear"]["w"], ops.Int8PanelWeight)
+    assert isinstance(layer["multi_head_attention"]["value"]["w"], ops.Int8PanelWeight)
+    assert floats.params["transformer"]["decoder_layer_0"]["moe"]["linear"]["w"].dtype == np.float32
+    prompt = "It is a truth universally acknowledged, that"
+    tokens = np.asarray([runners[0].tokenizer.encode(prompt)], np.int32)
+    lengths = np.array([tokens.shape[1]], np.int32)
+    a, b = (np.asarray(r.forward(r.params, tokens, lengths)) for r in (int8, floats))
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    first, second = (r.generate([prompt], temperature=0.0, max_len=24)[0].token_ids for r in runners)
+    assert first == second

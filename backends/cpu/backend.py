@@ -10,6 +10,7 @@ from backends.cpu import layout, ops
 from backends.xla import XLA, attend, loop_grouped_matmul
 
 OPERATIONS = ("moe", "projections", "unembed", "attention", "sampling_cut", "logits_summary")
+INT8_OPERATIONS = ("moe", "projections")  # those with a kernel for int8 weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,10 +19,15 @@ class CPU(XLA):
     (``backends/cpu/ops.py``): ``moe`` (the grouped panel matmul), ``projections`` and ``unembed``
     (the panel matmul), ``attention`` (a decode step read in place from float32 or int8 caches),
     ``sampling_cut`` and ``logits_summary``. ``prepare`` splits the experts per expert (or packs
-    them in panels with ``moe``), and packs the weights of the other panel operations."""
+    them in panels with ``moe``), and packs the weights of the other panel operations; the panel
+    operations read float32 or int8 weights (int8 widened in registers, never copied to float),
+    and an int8 weight no kernel takes is dequantised to float32 once, there."""
 
     on: frozenset = frozenset()
     grouped: str = "loop"
+    # Operations of ``on`` ("moe", "projections") whose int8 weights the kernel reads as int8; an
+    # int8 weight of any other operation is dequantised to float32 by ``prepare``.
+    int8: frozenset = frozenset()
     name = "cpu"
 
     def __post_init__(self):
@@ -29,18 +35,23 @@ class CPU(XLA):
         unknown = set(self.on) - set(OPERATIONS)
         if unknown:
             raise ValueError(f"CPU(on=...): unknown operations {sorted(unknown)}, expected some of {OPERATIONS}")
+        if not set(self.int8) <= set(self.on) & set(INT8_OPERATIONS):
+            raise ValueError(f"CPU(int8=...) must name operations of on among {INT8_OPERATIONS}, got {sorted(self.int8)}")
 
     def describe(self) -> str:
         kernels = ", ".join(op for op in OPERATIONS if op in self.on) or "none"
         experts = "in panels" if "moe" in self.on else "split per expert"
-        return f"cpu (on the C++ kernels: {kernels}; experts {experts})"
+        int8 = ", ".join(op for op in INT8_OPERATIONS if op in self.int8)
+        return f"cpu (on the C++ kernels: {kernels}; experts {experts}{'; int8 weights read as int8: ' + int8 if int8 else ''})"
 
     def prepare(self, params):
-        return layout.prepare(params, frozenset(self.on))
+        return layout.prepare(params, frozenset(self.on), frozenset(self.int8))
 
     def matmul(self, x, w, dtype):
         if isinstance(w, ops.PanelWeight):
             return ops.panel_matmul(x.astype(jnp.float32), w.panels, w.width).astype(dtype)
+        if isinstance(w, ops.Int8PanelWeight):
+            return ops.int8_panel_matmul(x.astype(jnp.float32), w.panels, w.scales, w.width).astype(dtype)
         return super().matmul(x, w, dtype)
 
     def embed(self, table, tokens, dtype):
@@ -56,6 +67,9 @@ class CPU(XLA):
     def grouped_matmul(self, x_RK, w, sizes_E, dtype):
         if isinstance(w, ops.PanelWeight):
             return ops.grouped_matmul(x_RK.astype(jnp.float32), w.panels, sizes_E, w.width).astype(dtype)
+        if isinstance(w, ops.Int8PanelWeight):
+            return ops.grouped_int8_matmul(x_RK.astype(jnp.float32), w.panels, w.scales, sizes_E,
+                                           w.width).astype(dtype)
         if isinstance(w, layout.ExpertWeights):
             return loop_grouped_matmul(x_RK.astype(dtype), lambda x, e: w.matmul(x, e, dtype), sizes_E,
                                        w.shape[-1], dtype)

@@ -33,6 +33,8 @@ SOURCES = tuple(HERE / name for name in ("panel_matmul.cc", "attention.cc", "sam
 HEADERS = (HERE / "kernels.h",)
 MATMUL = "grok_runner_panel_matmul"
 GROUPED = "grok_runner_grouped_panel_matmul"
+INT8_MATMUL = "grok_runner_int8_panel_matmul"
+INT8_GROUPED = "grok_runner_grouped_int8_panel_matmul"
 ATTENTION = "grok_runner_decode_attention"
 ATTENTION_INT8 = "grok_runner_decode_attention_int8"
 FILTER = "grok_runner_sampling_threshold"
@@ -102,6 +104,7 @@ def _build_once() -> str | None:
                 return why_not
         library = ctypes.cdll.LoadLibrary(str(lib))
         handlers = {MATMUL: library.panel_matmul, GROUPED: library.grouped_panel_matmul,
+                    INT8_MATMUL: library.int8_panel_matmul, INT8_GROUPED: library.grouped_int8_panel_matmul,
                     ATTENTION: library.decode_attention, ATTENTION_INT8: library.decode_attention_int8,
                     FILTER: library.sampling_threshold, SUMMARY: library.logits_summary}
     except (OSError, AttributeError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash, bad library

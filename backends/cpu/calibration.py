@@ -48,6 +48,7 @@ from backends.cpu.backend import CPU, OPERATIONS
 from model.config import ModelConfig
 from model.layers import moe
 from model.memory import quantize_kv
+from model.quant import dequantize, quantize
 
 log = logging.getLogger("grok_runner")
 
@@ -77,25 +78,47 @@ class Measurement:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """Whether ``operation`` runs on its kernel, and why: measured, forced, or not possible."""
+    """Whether ``operation`` runs on its kernel, and why: measured, forced, or not possible. For
+    an operation whose weights are int8, ``int8`` says whether the kernel reads them as int8
+    (``int8_measurements``: the int8 kernel against XLA's dot by the float32 copy); where it does
+    not, they are dequantised at load and ``kernel`` is the float32 kernel's choice."""
 
     operation: str
     kernel: bool
     measurements: tuple[Measurement, ...] = ()
     reason: str = ""  # without measurements: why it was forced or declined
+    int8: bool = False
+    int8_measurements: tuple[Measurement, ...] = ()
 
     def describe(self) -> str:
-        way = "kernel" if self.kernel else "XLA"
-        if not self.measurements:
+        way = "int8 kernel" if self.int8 else "kernel" if self.kernel else "XLA"
+        if self.int8_measurements and not self.int8:
+            way += " on the float32 copy" if self.kernel else "'s dot on the float32 copy"
+        if not self.measurements and not self.int8_measurements:
             return f"{self.operation}: {way} ({self.reason})"
-        ratios = ", ".join(f"{m.phase} {m.rows} rows {m.speedup:.2f}x" for m in self.measurements)
-        return f"{self.operation}: {way} (kernel speed / XLA's: {ratios})"
+        parts = []
+        for name, ms in (("int8 kernel", self.int8_measurements), ("kernel", self.measurements)):
+            if ms:
+                parts.append(f"{name} speed / XLA's: " + ", ".join(f"{m.phase} {m.rows} rows {m.speedup:.2f}x"
+                                                                  for m in ms))
+        return f"{self.operation}: {way} ({'; '.join(parts)})"
 
 
 def decide(operation: str, measurements) -> Choice:
     """The kernel only if it is faster at every shape measured."""
     measurements = tuple(measurements)
     return Choice(operation, all(m.kernel_s < m.xla_s for m in measurements), measurements)
+
+
+def decide_int8(operation: str, int8_measurements, float_measurements) -> Choice:
+    """For int8 weights: the int8 kernel only if it is faster at every shape than both XLA's dot
+    by the float32 copy and the float32 kernel (a small model whose float weights stay in cache
+    can run faster in float32); else the float32 choice, on the weights dequantised at load. The
+    two kernels were timed at different moments, each taking turns with XLA's dot, so they are
+    compared by their speed over XLA's (the host's bandwidth moves between the two)."""
+    int8_measurements, chosen = tuple(int8_measurements), decide(operation, float_measurements)
+    int8 = all(m.speedup > max(1.0, f.speedup) for m, f in zip(int8_measurements, chosen.measurements))
+    return dataclasses.replace(chosen, kernel=int8 or chosen.kernel, int8=int8, int8_measurements=int8_measurements)
 
 
 # ---- the operations, both ways ---------------------------------------------------------------
@@ -127,16 +150,22 @@ def _normal(rng, shape, scale=0.02):
     return x
 
 
-def _moe(config: ModelConfig, tokens: int, rng):
+def _held(w, int8: bool):
+    """A synthetic float32 weight as the model holds it: itself, or int8 per output channel."""
+    return quantize(w, scale_dtype=jnp.bfloat16) if int8 else w
+
+
+def _moe(config: ModelConfig, tokens: int, rng, int8: bool = False):
     c = config
     d, f, e, top = c.emb_size, c.ffn_size, c.num_experts, c.num_selected_experts
-    layers = _layers(c, 3 * e * d * f * 4)
+    layers = _layers(c, 3 * e * d * f * (1 if int8 else 4))  # the kernel's bytes: as many as it streams in the model
     xla_layers, kernel_layers = [], []
     for i in range(layers):
-        stacked = {"moe": {"linear": {"w": _normal(rng, (e, d, f))}, "linear_v": {"w": _normal(rng, (e, d, f))},
-                           "linear_1": {"w": _normal(rng, (e, f, d))}}}
+        stacked = {"moe": {"linear": {"w": _held(_normal(rng, (e, d, f)), int8)},
+                           "linear_v": {"w": _held(_normal(rng, (e, d, f)), int8)},
+                           "linear_1": {"w": _held(_normal(rng, (e, f, d)), int8)}}}
         for out, panels in ((xla_layers, frozenset()), (kernel_layers, frozenset({"moe"}))):
-            held = layout.prepare(stacked, panels)["moe"]
+            held = layout.prepare(stacked, panels, panels)["moe"]  # int8 kept for the kernel, dequantised for XLA
             out.append(tuple(held[name]["w"] for name in ("linear", "linear_v", "linear_1")))
     # uniform routing, as an untrained router spreads tokens
     idx_Mk = jnp.asarray(np.stack([rng.permutation(e)[:top] for _ in range(tokens)]), jnp.int32)
@@ -149,13 +178,18 @@ def _moe(config: ModelConfig, tokens: int, rng):
     return _normal(rng, (tokens, d), 1.0), (way(kernel), kernel_layers), (way(XLA_WAY), xla_layers)
 
 
-def _projections(config: ModelConfig, tokens: int, rng):
+def _projections(config: ModelConfig, tokens: int, rng, int8: bool = False):
     c = config
     d, nh, kh = c.emb_size, c.num_q_heads * c.key_size, c.num_kv_heads * c.key_size
     shapes = ((d, nh), (d, kh), (d, kh), (nh, d))
-    layers = _layers(c, sum(a * b for a, b in shapes) * 4)
-    xla_layers = [tuple(jnp.asarray(_normal(rng, s)) for s in shapes) for _ in range(layers)]
-    kernel_layers = [tuple(layout.PanelWeight.of(np.asarray(w)) for w in ws) for ws in xla_layers]
+    layers = _layers(c, sum(a * b for a, b in shapes) * (1 if int8 else 4))
+    held = [tuple(_held(jnp.asarray(_normal(rng, s)), int8) for s in shapes) for _ in range(layers)]
+    if int8:  # against the float32 copy XLA would multiply by
+        xla_layers = [tuple(dequantize(w, jnp.float32) for w in ws) for ws in held]
+        kernel_layers = [tuple(layout.Int8PanelWeight.of(w) for w in ws) for ws in held]
+    else:
+        xla_layers = held
+        kernel_layers = [tuple(layout.PanelWeight.of(np.asarray(w)) for w in ws) for ws in xla_layers]
 
     def one(x_BTD, ws):
         wq, wk, wv, wo = ws
@@ -212,12 +246,13 @@ def _sampling(config: ModelConfig, batch: int, rng, cut: bool):
     return logits, (way(kernel), [None]), (way(XLA_WAY), [None])
 
 
-def _shapes(operation: str, config: ModelConfig, batch: int, prefill_tokens: int, kv_len: int, kv_dtype: str):
+def _shapes(operation: str, config: ModelConfig, batch: int, prefill_tokens: int, kv_len: int, kv_dtype: str,
+            int8: bool = False):
     """(phase, rows, builder) for each shape ``operation`` is called with."""
     if operation in ("moe", "projections"):
         build = _moe if operation == "moe" else _projections
-        return [("decode", batch, lambda rng: build(config, batch, rng)),
-                ("prefill", prefill_tokens, lambda rng: build(config, prefill_tokens, rng))]
+        return [("decode", batch, lambda rng: build(config, batch, rng, int8)),
+                ("prefill", prefill_tokens, lambda rng: build(config, prefill_tokens, rng, int8))]
     if operation == "unembed":
         return [("decode", batch, lambda rng: _unembed(config, batch, rng))]
     if operation == "attention":
@@ -226,12 +261,14 @@ def _shapes(operation: str, config: ModelConfig, batch: int, prefill_tokens: int
     return [("decode", batch, lambda rng: _sampling(config, batch, rng, cut))]
 
 
-def _key(operation: str, phase: str, rows: int, config: ModelConfig, kv_len: int, kv_dtype: str) -> str:
+def _key(operation: str, phase: str, rows: int, config: ModelConfig, kv_len: int, kv_dtype: str,
+         int8: bool = False) -> str:
     c = config
     dims = (f"D{c.emb_size} F{c.ffn_size} E{c.num_experts}k{c.num_selected_experts} N{c.num_q_heads} "
             f"K{c.num_kv_heads} H{c.key_size} V{c.vocab_size} L{c.num_layers}")
     extra = f" S{kv_len}/{c.sequence_len}" if operation == "attention" else ""
     extra += " int8" if operation == "attention" and kv_dtype == "int8" else ""  # float32: the keys as before
+    extra += " int8 weights" if int8 else ""
     return f"{operation} {phase} rows{rows}{extra} {dims}"
 
 
@@ -301,23 +338,26 @@ def _write_cache(path: Path | None, entries: dict) -> None:
 
 
 def calibrate(operations, config: ModelConfig, batch: int, prefill_tokens: int, kv_len: int,
-              cache: bool = True, kv_dtype: str = "float32") -> dict[str, Choice]:
+              cache: bool = True, kv_dtype: str = "float32", int8_weights=frozenset()) -> dict[str, Choice]:
     """A ``Choice`` per operation (names from ``OPERATIONS``), each measured at its shapes for
     ``config`` with ``batch`` slots, prefill chunks of ``prefill_tokens`` and decode attention over
-    ``kv_len`` cache positions of ``kv_dtype`` ("float32" or "int8"); measured shapes come from
-    (and go to) the cache beside the kernel library unless ``cache`` is False. The kernels must be
-    available."""
+    ``kv_len`` cache positions of ``kv_dtype`` ("float32" or "int8"); the operations in
+    ``int8_weights`` ("moe", "projections") have int8 weights: timed also on the int8 kernel against
+    XLA's dot by their float32 copy, and decided by ``decide_int8``. Measured shapes come
+    from (and go to) the cache beside the kernel library unless ``cache`` is False. The kernels must
+    be available."""
     path = _cache_path() if cache else None
     entries = _read_cache(path)
     todo, keyed = [], {}
     for op in operations:
         if op not in OPERATIONS:
             raise ValueError(f"calibrate: unknown operation {op!r}, expected one of {OPERATIONS}")
-        for phase, rows, builder in _shapes(op, config, batch, prefill_tokens, kv_len, kv_dtype):
-            key = _key(op, phase, rows, config, kv_len, kv_dtype)
-            keyed.setdefault(op, []).append(key)
-            if not (isinstance(entries.get(key), dict) and {"kernel_s", "xla_s"} <= entries[key].keys()):
-                todo.append((key, op, phase, rows, builder))
+        for int8 in ((True, False) if op in int8_weights else (False,)):
+            for phase, rows, builder in _shapes(op, config, batch, prefill_tokens, kv_len, kv_dtype, int8):
+                key = _key(op, phase, rows, config, kv_len, kv_dtype, int8)
+                keyed.setdefault((op, int8), []).append(key)
+                if not (isinstance(entries.get(key), dict) and {"kernel_s", "xla_s"} <= entries[key].keys()):
+                    todo.append((key, op, phase, rows, builder))
     if todo:
         start = time.perf_counter()
         for (key, *_), m in zip(todo, _measure([t[1:] for t in todo])):
@@ -325,6 +365,10 @@ def calibrate(operations, config: ModelConfig, batch: int, prefill_tokens: int, 
         log.info("kernel calibration: %d shapes in %.1f s", len(todo), time.perf_counter() - start)
         if cache:
             _write_cache(path, {**_read_cache(path), **entries})
-    return {op: decide(op, (Measurement(entries[k]["phase"], int(entries[k]["rows"]), float(entries[k]["kernel_s"]),
-                                        float(entries[k]["xla_s"])) for k in keys))
-            for op, keys in keyed.items()}
+
+    def measured(op, int8):
+        return [Measurement(entries[k]["phase"], int(entries[k]["rows"]), float(entries[k]["kernel_s"]),
+                            float(entries[k]["xla_s"])) for k in keyed[(op, int8)]]
+
+    return {op: decide_int8(op, measured(op, True), measured(op, False)) if op in int8_weights
+            else decide(op, measured(op, False)) for op in operations}

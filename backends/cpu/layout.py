@@ -7,7 +7,11 @@
   both minor dimensions): XLA:CPU's matrix-vector product reads that layout about 1.7x faster.
 - **Panels**: where the calibration took a kernel, its float32 weights are packed in column
   panels (``ops.PanelWeight``; the tied embedding as ``ops.PanelTable``): the experts for the
-  grouped panel kernel, the attention projections and the embedding for the panel matmul.
+  grouped panel kernel, the attention projections and the embedding for the panel matmul. Int8
+  weights (``QuantizedWeight8bit``) are packed as int8 panels with float32 scales
+  (``ops.Int8PanelWeight``), which the int8 kernels read as they are: no float copy is made.
+- **Dequantised**: an int8 weight no kernel takes is converted to float32 here, once (XLA:CPU
+  multiplies by an int8 weight 20-40x slower than by a float one: DESIGN.md).
 
 Only the backend reads these types; checkpoints, the sharding rules and the model's tests see the
 canonical pytree.
@@ -21,7 +25,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from backends.cpu.ops import PanelTable, PanelWeight
+from backends.cpu.ops import Int8PanelWeight, PanelTable, PanelWeight
 from model.quant import QuantizedWeight8bit, dequantize, is_quantized
 from model.sharding import path_str
 
@@ -52,7 +56,7 @@ class ExpertWeights:
         return x.astype(dtype) @ dequantize(w, dtype)
 
 
-LAYOUTS = (ExpertWeights, PanelWeight, PanelTable, QuantizedWeight8bit)
+LAYOUTS = (ExpertWeights, PanelWeight, Int8PanelWeight, PanelTable, QuantizedWeight8bit)
 
 
 def split(w, transpose: bool) -> ExpertWeights:
@@ -63,34 +67,47 @@ def split(w, transpose: bool) -> ExpertWeights:
     return ExpertWeights(experts, transposed=transpose)
 
 
-def prepare(params, panels: frozenset):
-    """``params`` in the CPU layouts: every MoE weight split per expert, or, with ``"moe"`` in
-    ``panels`` and float32, in panels; the attention projections in panels with ``"projections"``
-    and the embedding with ``"unembed"`` (float32 only). Other leaves are unchanged."""
+def prepare(params, panels: frozenset, int8: frozenset = frozenset()):
+    """``params`` in the CPU layouts: every MoE weight in panels with ``"moe"`` in ``panels``,
+    else split per expert; the attention projections in panels with ``"projections"``; the
+    embedding with ``"unembed"`` (float32 only). An int8 weight stays int8 (``Int8PanelWeight``)
+    where its operation is in ``int8``, and is dequantised to float32 first everywhere else.
+    Other leaves are unchanged."""
 
     def one(path, w):
-        if isinstance(w, (ExpertWeights, PanelWeight, PanelTable)):
+        if isinstance(w, (ExpertWeights, PanelWeight, Int8PanelWeight, PanelTable)):
             return w
         name = path_str(path)
-        f32 = not is_quantized(w) and w.dtype == jnp.float32
-        if MOE_WEIGHT.fullmatch(name):
+        op = "moe" if MOE_WEIGHT.fullmatch(name) else "projections" if PROJECTION.fullmatch(name) else None
+        if is_quantized(w):
+            if op in int8 and op in panels:
+                return Int8PanelWeight.of(w)
+            w = dequantize(w, jnp.float32)
+        f32 = w.dtype == jnp.float32
+        if op == "moe":
             if "moe" in panels and f32:
                 return PanelWeight.of(w)
             return split(w, name.split("/")[-2] in TRANSPOSED)
         if name == EMBEDDING and "unembed" in panels and f32:
             return PanelTable.of(w)
-        if PROJECTION.fullmatch(name) and "projections" in panels and f32 and w.ndim == 2:
+        if op == "projections" and "projections" in panels and f32 and w.ndim == 2:
             return PanelWeight.of(w)
         return w
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, LAYOUTS))
 
 
-def moe_weight_dtypes(params) -> set[str]:
-    """The dtypes the MoE weights of canonical ``params`` are held in ("int8" for ``QuantizedWeight8bit``)."""
+def weight_dtypes(params, pattern) -> set[str]:
+    """The dtypes the weights of canonical ``params`` whose path matches ``pattern`` are held in
+    ("int8" for ``QuantizedWeight8bit``)."""
     found = set()
     jax.tree_util.tree_map_with_path(
         lambda path, w: found.add("int8" if is_quantized(w) else str(w.dtype))
-        if MOE_WEIGHT.fullmatch(path_str(path)) else None,
+        if pattern.fullmatch(path_str(path)) else None,
         params, is_leaf=lambda x: isinstance(x, QuantizedWeight8bit))
     return found
+
+
+def moe_weight_dtypes(params) -> set[str]:
+    """The dtypes the MoE weights of canonical ``params`` are held in ("int8" for ``QuantizedWeight8bit``)."""
+    return weight_dtypes(params, MOE_WEIGHT)

@@ -33,36 +33,41 @@ from backends.cpu import build
 PANEL = 32
 
 
-def _hugepage_empty(shape) -> np.ndarray:
-    """An uninitialised float32 host array in memory advised to use transparent huge pages, where
+def _hugepage_empty(shape, dtype=np.float32) -> np.ndarray:
+    """An uninitialised host array in memory advised to use transparent huge pages, where
     the OS offers them (else a plain one). The kernels stream weights; with 2 MB pages instead of
     4 KB a 256 MB read went from 56 to 66 GB/s on the development machine (BENCHMARKS.md), since a
     stream then crosses far fewer page (and TLB) boundaries. On CPU, jax.device_put of such an
     array keeps using its memory rather than copying it."""
-    size = int(np.prod(shape)) * 4
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if size < (2 << 20) or advice is None:
-        return np.empty(shape, np.float32)
+        return np.empty(shape, dtype)
     huge = 2 << 20
     try:  # 2 MB more, to start the array on a 2 MB boundary (huge pages are aligned)
         region = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         region.madvise(advice)
     except (OSError, ValueError, AttributeError):
-        return np.empty(shape, np.float32)
+        return np.empty(shape, dtype)
     start = -np.frombuffer(region, np.uint8, count=1).ctypes.data % huge
-    return np.frombuffer(region, np.float32, count=size // 4, offset=start).reshape(shape)
+    return np.frombuffer(region, dtype, count=size // dtype.itemsize, offset=start).reshape(shape)
 
 
-def pack(w) -> np.ndarray:
-    """``w [..., K, N]`` as panels ``[..., ceil(N / 32), K, 32]`` (a new host array, in huge
-    pages where available; zero past N)."""
-    w = np.asarray(w, np.float32)
+def pack(w, dtype=np.float32) -> np.ndarray:
+    """``w [..., K, N]`` as panels ``[..., ceil(N / 32), K, 32]`` of ``dtype`` (a new host array,
+    in huge pages where available; zero past N)."""
+    w = np.asarray(w)
+    if w.dtype != dtype:
+        w = w.astype(dtype)
     *lead, k, n = w.shape
     panels = -(-n // PANEL)
-    padded = np.zeros((*lead, k, panels * PANEL), np.float32)
-    padded[..., :n] = w
-    out = _hugepage_empty((*lead, panels, k, PANEL))
-    out[...] = np.moveaxis(padded.reshape(*lead, k, panels, PANEL), -2, -3)
+    out = _hugepage_empty((*lead, panels, k, PANEL), dtype)
+    full = n // PANEL  # the whole panels, then the last one padded with zeros
+    out[..., :full, :, :] = np.moveaxis(w[..., : full * PANEL].reshape(*lead, k, full, PANEL), -2, -3)
+    if full < panels:
+        out[..., full, :, :] = 0
+        out[..., full, :, : n - full * PANEL] = w[..., full * PANEL:]
     return out
 
 
@@ -105,6 +110,42 @@ def grouped_matmul(x, panels, sizes, n: int):
     _check_call("grouped_matmul", x, panels, n)
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call(build.GROUPED, out)(x, panels, sizes.astype(jnp.int32))
+
+
+def _check_int8(name: str, x, panels, scales, n: int) -> None:
+    if x.dtype != jnp.float32 or panels.dtype != jnp.int8 or scales.dtype != jnp.float32:
+        raise ValueError(f"{name} takes float32 x, int8 panels and float32 scales, got {x.dtype}, {panels.dtype} and "
+                         f"{scales.dtype}")
+    if scales.shape[:-2] != panels.shape[:-2] or scales.shape[-1] != PANEL or panels.shape[-2] % scales.shape[-2]:
+        raise ValueError(f"scales {scales.shape} do not match int8 panels {panels.shape} ([..., P, G, {PANEL}], "
+                         "G dividing K)")
+    p = panels.shape[-3]
+    if not (p - 1) * PANEL < n <= p * PANEL:
+        raise ValueError(f"n={n} is not the width of {p} panels of {PANEL}")
+    build.require()
+
+
+def int8_panel_matmul(x, panels, scales, n: int):
+    """``x [..., K] @ w [K, n]`` in float32 with ``w`` int8: its panels ``[P, K, 32]`` and float32
+    scales ``[P, G, 32]`` (rows g K/G .. (g + 1) K/G of a panel times scales[p, g]), widened in
+    registers (``panel_matmul.cc``): the product by the dequantised weight up to float32 rounding."""
+    if panels.ndim != 3 or panels.shape[2] != PANEL or x.shape[-1] != panels.shape[1] or scales.ndim != 3:
+        raise ValueError(f"x {x.shape} does not match int8 panels {panels.shape} ([P, K, {PANEL}])")
+    _check_int8("int8_panel_matmul", x, panels, scales, n)
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
+    return jax.ffi.ffi_call(build.INT8_MATMUL, out)(x, panels, scales)
+
+
+def grouped_int8_matmul(x, panels, scales, sizes, n: int):
+    """``grouped_matmul`` with int8 experts: ``panels [E, P, K, 32]`` int8 and ``scales
+    [E, P, G, 32]`` float32, as in ``int8_panel_matmul``."""
+    if x.ndim != 2 or panels.ndim != 4 or panels.shape[3] != PANEL or x.shape[1] != panels.shape[2]:
+        raise ValueError(f"x {x.shape} does not match int8 expert panels {panels.shape} ([R, K] and [E, P, K, {PANEL}])")
+    if sizes.shape != (panels.shape[0],):
+        raise ValueError(f"sizes {sizes.shape} must have one entry per expert ({panels.shape[0]})")
+    _check_int8("grouped_int8_matmul", x, panels, scales, n)
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(build.INT8_GROUPED, out)(x, panels, scales, sizes.astype(jnp.int32))
 
 
 MAX_HEAD, MAX_GROUP = 128, 16  # attention.cc's kMaxHeadDim, kMaxHeadsPerKv
@@ -216,6 +257,35 @@ class PanelWeight:
 
     def __matmul__(self, x):
         raise TypeError("use panel_matmul(x, w.panels, w.width): x @ PanelWeight is not defined")
+
+
+@flax.struct.dataclass
+class Int8PanelWeight:
+    """An int8 weight (``model.quant.QuantizedWeight8bit``, ``[..., K, N]`` with scales
+    ``[..., G, N]``) held as int8 column panels ``[..., ceil(N / 32), K, 32]`` and float32 scales
+    ``[..., ceil(N / 32), G, 32]``: a plain weight for ``int8_panel_matmul``, stacked experts for
+    ``grouped_int8_matmul``. No float copy of the weight is ever made."""
+
+    panels: jax.Array
+    scales: jax.Array
+    width: int = flax.struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.panels.shape[:-3], self.panels.shape[-2], self.width)
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+    @classmethod
+    def of(cls, w) -> "Int8PanelWeight":
+        """From a ``QuantizedWeight8bit``."""
+        return cls(jax.device_put(pack(w.weight, np.int8)), jax.device_put(pack(w.scales, np.float32)),
+                   width=w.weight.shape[-1])
+
+    def __matmul__(self, x):
+        raise TypeError("use int8_panel_matmul(x, w.panels, w.scales, w.width): x @ Int8PanelWeight is not defined")
 
 
 @flax.struct.dataclass
