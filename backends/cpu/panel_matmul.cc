@@ -87,26 +87,32 @@ inline void accumulate(vec (&acc)[MB][kPanelVectors], const float* x, const T* w
   }
 }
 
-// out[m0 .. m0 + MB, columns of panel p] for one panel; `cols` of its 32 columns are real.
+// out[m0 .. m0 + MB, columns of panel p] for one panel (its weights wp, its scales sp: null
+// for float32); `cols` of its 32 columns are real.
 template <int MB, typename T>
-void panel(const float* x, Weight<T> w, float* out, int64_t m0, int64_t n, int64_t k, int64_t p) {
+void panel(const float* x, const T* wp, const float* sp, int64_t groups, float* out, int64_t m0, int64_t n,
+           int64_t k, int64_t p) {
   vec acc[MB][kPanelVectors] = {};
-  const T* wp = w.panels + p * k * kPanel;
-  if (w.scales == nullptr) {
+  if (groups == 1) {  // float32, or int8 scaled per output channel: one scale a column, at the end
     accumulate<MB>(acc, x, wp, m0, k, 0, k);
-  } else {  // each group summed on its own, then scaled into the total
-    vec total[MB][kPanelVectors] = {};
-    const float* sp = w.scales + p * w.groups * kPanel;
-    int64_t size = k / w.groups;
-    for (int64_t g = 0; g < w.groups; ++g) {
+    if (sp != nullptr)
+      for (int v = 0; v < kPanelVectors; ++v) {
+        vec scale = load_vec(sp + v * kLanes);
+        for (int m = 0; m < MB; ++m) acc[m][v] *= scale;
+      }
+  } else {  // each group summed on its own, then scaled into the total (kept in memory: registers hold the group)
+    alignas(64) float total[MB][kPanel] = {};
+    int64_t size = k / groups;
+    for (int64_t g = 0; g < groups; ++g) {
       vec part[MB][kPanelVectors] = {};
       accumulate<MB>(part, x, wp, m0, k, g * size, (g + 1) * size);
       for (int v = 0; v < kPanelVectors; ++v) {
         vec scale = load_vec(sp + g * kPanel + v * kLanes);
-        for (int m = 0; m < MB; ++m) total[m][v] += part[m][v] * scale;
+        for (int m = 0; m < MB; ++m) store_vec(total[m] + v * kLanes, load_vec(total[m] + v * kLanes) + part[m][v] * scale);
       }
     }
-    std::memcpy(acc, total, sizeof acc);
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < kPanelVectors; ++v) acc[m][v] = load_vec(total[m] + v * kLanes);
   }
   int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
   for (int m = 0; m < MB; ++m) {
@@ -119,21 +125,45 @@ void panel(const float* x, Weight<T> w, float* out, int64_t m0, int64_t n, int64
 }
 
 template <int MB, typename T>
-void rest(const float* x, Weight<T> w, float* out, int64_t m, int64_t rows, int64_t n, int64_t k, int64_t p) {
+void rest(const float* x, const T* wp, const float* sp, int64_t groups, float* out, int64_t m, int64_t rows, int64_t n,
+          int64_t k, int64_t p) {
   if constexpr (MB > 0) {
-    if (rows - m == MB) return panel<MB>(x, w, out, m, n, k, p);
-    rest<MB - 1>(x, w, out, m, rows, n, k, p);
+    if (rows - m == MB) return panel<MB>(x, wp, sp, groups, out, m, n, k, p);
+    rest<MB - 1>(x, wp, sp, groups, out, m, rows, n, k, p);
   }
 }
 
-// All rows against panels p0 .. p1: kRowBlock rows at a time, and the last 1 to kMaxRows in one
-// pass, so each panel is read once per kRowBlock rows at most.
+// Every row against one panel: kRowBlock rows at a time, and the last 1 to kMaxRows in one pass,
+// so the panel is read once per kRowBlock rows at most.
+template <typename T>
+void rows_by_panel(const float* x, const T* wp, const float* sp, int64_t groups, float* out, int64_t rows, int64_t n,
+                   int64_t k, int64_t p) {
+  int64_t m = 0;
+  for (; rows - m > kMaxRows; m += kRowBlock) panel<kRowBlock>(x, wp, sp, groups, out, m, n, k, p);
+  rest<kMaxRows>(x, wp, sp, groups, out, m, rows, n, k, p);
+}
+
+// All rows against panels p0 .. p1. An int8 panel multiplied by more rows than one pass takes
+// is dequantised once into a float32 panel (in cache) first, rather than widened again in every
+// pass: at prefill's hundreds of rows the product is bound by the multiplications, and widening
+// in every pass made it 6-8% slower than the float32 kernel's (BENCHMARKS.md).
 template <typename T>
 void panels(const float* x, Weight<T> w, float* out, int64_t rows, int64_t n, int64_t k, int64_t p0, int64_t p1) {
+  bool once = sizeof(T) == 1 && rows > kMaxRows;
+  std::vector<float> dequantised(once ? k * kPanel : 0);
   for (int64_t p = p0; p < p1; ++p) {
-    int64_t m = 0;
-    for (; rows - m > kMaxRows; m += kRowBlock) panel<kRowBlock>(x, w, out, m, n, k, p);
-    rest<kMaxRows>(x, w, out, m, rows, n, k, p);
+    const T* wp = w.panels + p * k * kPanel;
+    const float* sp = w.scales == nullptr ? nullptr : w.scales + p * w.groups * kPanel;
+    if (!once) {
+      rows_by_panel(x, wp, sp, w.groups, out, rows, n, k, p);
+      continue;
+    }
+    int64_t size = k / w.groups;
+    for (int64_t i = 0; i < k; ++i)
+      for (int v = 0; v < kPanelVectors; ++v)
+        store_vec(dequantised.data() + i * kPanel + v * kLanes,
+                  widen(wp + i * kPanel + v * kLanes) * load_vec(sp + (i / size) * kPanel + v * kLanes));
+    rows_by_panel(x, static_cast<const float*>(dequantised.data()), nullptr, 1, out, rows, n, k, p);
   }
 }
 
