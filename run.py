@@ -72,6 +72,10 @@ def parse_args(argv):
                    help="what the KV cache holds (default: the activation dtype); int8 keeps one float32 scale a "
                    "token and KV head, 3.8x the tokens of float32 in the same memory at key_size 64, at the "
                    "error BENCHMARKS.md measures")
+    p.add_argument("--speculative", type=bounded(int, 0, 16, "an integer in [0, 16]"), default=0,
+                   help="speculative decoding by n-gram lookup: verify up to this many tokens a step drafted from "
+                   "the prompt and output (greedy output unchanged, sampled output keeps its distribution); helps "
+                   "where the output repeats its context (BENCHMARKS.md); 0 = off (default)")
     p.add_argument("--quantize", choices=["int8"], default=None,
                    help="quantise the float weights of the experts and attention projections to int8 at load "
                    "(per output channel); on one CPU device the int8 kernels then read a quarter of the bytes a "
@@ -242,6 +246,9 @@ def serve(argv) -> int:
                    "token and KV head, 3.8x the tokens of float32 in the same memory at key_size 64, at the "
                    "error BENCHMARKS.md measures")
     p.add_argument("--quantize", choices=["int8"], default=None, help="see run.py --help")
+    p.add_argument("--speculative", type=bounded(int, 0, 16, "an integer in [0, 16]"), default=0,
+                   help="the most draft tokens a speculative step verifies, and the default of every request "
+                   "(the request's \"speculative\" field may ask for fewer, or 0); 0 = off (default); see run.py --help")
     p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto", help="see run.py --help")
     p.add_argument("--compile-cache", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
@@ -287,6 +294,7 @@ def serve(argv) -> int:
                                  tokenizer_path=args.tokenizer, batch_size=args.batch_size,
                                  local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
                                  score_prompts=args.max_scored_tokens != 0, decode_steps=args.decode_steps,
+                                 speculative=args.speculative,
                                  **({} if args.max_num_batched_tokens is None
                                     else {"max_num_batched_tokens": args.max_num_batched_tokens}),
                                  **prefix_cache_of(args))
@@ -377,7 +385,7 @@ def generate(parser, args, start: float) -> int:
             runner=ModelRunner(checkpoint_path=checkpoint, model=config, dtype=args.dtype, backend=args.backend,
                                kv_dtype=args.kv_dtype, quantize=args.quantize),
             tokenizer_path=args.tokenizer, local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
-            batch_size=args.batch_size)
+            batch_size=args.batch_size, speculative=args.speculative)
         runner.initialize()
         for r in requests:
             runner.prepare(r)

@@ -43,7 +43,7 @@ from typing import Callable, Optional, Protocol
 import jax
 import numpy as np
 
-from runner.requests import PromptLogprob, Request, TokenEvent
+from runner.requests import PromptLogprob, Request, Speculation, TokenEvent
 from runner.scheduler import RoundPlan, Scheduler, Sequence, finish_reason, prefill_row, request_row
 from runner.tokenizer import IncrementalDetokenizer
 
@@ -109,7 +109,9 @@ class EngineCore:
         # outputs not read yet: (a call's output, its columns' sequences, a scoring prefill's
         # PromptScores with each row's first prompt position or None, and the structured outputs
         # it samples a token of: their ``unread`` counts it)
-        self._pending: list[tuple[object, dict[int, Sequence], Optional[tuple], list[Sequence]]] = []
+        # dispatched calls not read yet: (outputs, row -> sequence, scoring, structured outputs
+        # it samples, a decode call's positions each row may advance at most)
+        self._pending: list[tuple[object, dict[int, Sequence], Optional[tuple], list[Sequence], Optional[dict]]] = []
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.broadcast = False  # several processes: process 0's commands go to all (see above)
@@ -239,8 +241,8 @@ class EngineCore:
                 self._dispatch_prefill(plan)
             if plan.decode:
                 mask, stepping = self._masks(plan.decode)
-                out = self.model.run_decode(plan.decode_kv_len, plan.decode_steps, mask)
-                self._pending.append((out, {s.slot: s for s in plan.decode}, None, stepping))
+                out = self.model.run_decode(plan.decode_kv_len, plan.decode_steps, mask, plan.decode_speculative)
+                self._pending.append((out, {s.slot: s for s in plan.decode}, None, stepping, plan.decode_bounds))
         except Exception as e:  # a device call failed: its outputs, and the state, are lost
             self._fail_all(f"{type(e).__name__}: {e}")
             return
@@ -275,7 +277,7 @@ class EngineCore:
         """Read ``ready`` (dispatched calls' outputs) one call at a time, so a prefill's first
         tokens go out when it ends, not after the decode call that follows it. False if a device
         call failed (every request it served has ended)."""
-        for out, columns, scoring, sampled in ready:
+        for out, columns, scoring, sampled, bounds in ready:
             try:
                 out, scoring = jax.device_get((out, scoring))
             except Exception as e:
@@ -283,6 +285,8 @@ class EngineCore:
                 return False
             if scoring is not None:
                 self._read_scores(*scoring, columns)
+            if bounds is not None:
+                self._read_decode(out, columns, bounds)
             self._read(out, columns)
             for sequence in sampled:
                 sequence.unread -= 1
@@ -321,7 +325,7 @@ class EngineCore:
         chunks = {i: (plan.prefill[i].start, plan.prefill[i].length) for i in columns}
         # a request's first token is its row's sample
         sampled = [s for i, s in columns.items() if batch.masked[i]]
-        self._pending.append((out, columns, None if scores is None else (scores, chunks), sampled))
+        self._pending.append((out, columns, None if scores is None else (scores, chunks), sampled, None))
         for fork in plan.forks:
             sequence, leader = fork.sequence, plan.prefill[fork.row].sequence
             if leader.finished:  # the leader's row was not computed: the copy prefills itself
@@ -342,7 +346,7 @@ class EngineCore:
                 self._error(sequence.request, sequence.sink, 0, e)
                 continue
             self._pending.append((self.model.run_fork(logits, fork.row, leader.slot, one), {0: sequence}, None,
-                                  [sequence] if one.masked[0] else []))
+                                  [sequence] if one.masked[0] else [], None))
 
     @staticmethod
     def _first_mask(batch, i: int, sequence: Sequence) -> None:
@@ -431,6 +435,27 @@ class EngineCore:
                         self._free(sequence)
                         self._error(sequence.request, sequence.sink, sequence.generated, e)
 
+    @staticmethod
+    def _read_decode(out, columns: dict[int, Sequence], bounds: dict[int, int]) -> None:
+        """What a decode call did for each row, before its tokens are emitted: the positions it
+        was planned to advance at most become the tokens it generated (``Sequence.decode_steps``
+        is exact again once read), and a speculating request's ``Speculation`` grows."""
+        generated = out.valid.sum(axis=0)
+        per_step = out.valid.reshape(len(out.drafted), -1, out.valid.shape[1]) if out.drafted is not None else None
+        for column, sequence in columns.items():
+            n = int(generated[column])
+            sequence.decode_steps -= bounds[column] - n
+            if not sequence.speculative:
+                continue
+            was = sequence.speculation
+            if out.drafted is None:  # a plain call: a token a step
+                sequence.speculation = dataclasses.replace(was, steps=was.steps + n, tokens=was.tokens + n)
+            else:
+                sequence.speculation = Speculation(
+                    steps=was.steps + int(per_step[:, :, column].any(axis=1).sum()), tokens=was.tokens + n,
+                    drafted=was.drafted + int(out.drafted[:, column].sum()),
+                    accepted=was.accepted + int(out.accepted[:, column].sum()))
+
     def _read_scores(self, scores, chunks: dict[int, tuple[int, int]], columns: dict[int, Sequence]) -> None:
         """A scoring prefill's ``PromptScores`` into each row's request: for each position of its
         chunk (``chunks``: first prompt position, length), the prompt token after it with its
@@ -473,7 +498,8 @@ class EngineCore:
                             sample.top_k_probs[step, column, :k].tolist()))
         prompt = tuple(sequence.scores) if sequence.scored and sequence.generated == 1 else None
         event = TokenEvent(request, sequence.generated - 1, token, text, logprob, top, reason,
-                           prompt_logprobs=prompt, cached_tokens=sequence.cached)
+                           prompt_logprobs=prompt, cached_tokens=sequence.cached,
+                           speculation=sequence.speculation if reason is not None and sequence.speculative else None)
         if reason is not None:
             self._free(sequence, release=grammar_done)  # the device stopped it itself, unless the grammar did
             self._end(sequence.sink, event)

@@ -39,8 +39,10 @@ from model.quant import quantize_params
 from model.sharding import (DEFAULT_RULES, KV_MEMORY_AXES, activation_sharding, make_mesh, memory_specs,
                             param_shardings, spec_for)
 from model.transformer import LanguageModel
-from runner.sampling import Constraints, SampleOutput, SampleSettings, sample_token, score_positions
+from runner.sampling import (Constraints, SampleOutput, SampleSettings, filter_logits, sample_token,
+                             score_positions)
 from runner.selection import BACKENDS, Selection, choose, one_cpu_device, start
+from runner.speculative import ngram_draft, verify
 from runner.state import MAX_STOP_IDS, DecodeOutput, DecodeState, PrefillBatch, PrefixPool, TokenMask, ends
 
 log = logging.getLogger("grok_runner")
@@ -183,6 +185,10 @@ class ModelRunner:
             unstoppable=self._named(batch),
             counts=self._named(P(*batch, None)),
             seen=self._named(P(*batch, None)),
+            history=self._named(P(*batch, None)),
+            speculative=self._named(batch),
+            draft_len=self._named(batch),
+            wait=self._named(batch),
             pool=self._pool_shardings(),
         )
 
@@ -237,9 +243,11 @@ class ModelRunner:
             functools.partial(prefill, apply, sampler, kv_len=kv_len, score=score),
             in_shardings=(params_sh, state_sh, rows),
             out_shardings=(state_sh, step_out_sh, replicated, replicated), donate_argnums=1))
-        self.sample_step = _PerStatic(lambda kv_len, steps: jax.jit(
-            functools.partial(decode, apply, sampler, kv_len=kv_len, steps=steps),
-            in_shardings=(params_sh, state_sh, mask_sh), out_shardings=(state_sh, step_out_sh), donate_argnums=1))
+        spec_out_sh = DecodeOutput(out_sh, replicated, replicated, replicated, replicated)
+        self.sample_step = _PerStatic(lambda kv_len, steps, speculative=0: jax.jit(
+            functools.partial(decode, apply, sampler, kv_len=kv_len, steps=steps, speculative=speculative),
+            in_shardings=(params_sh, state_sh, mask_sh),
+            out_shardings=(state_sh, spec_out_sh if speculative else step_out_sh), donate_argnums=1))
         self.no_mask = jax.device_put(self.host_mask(), mask_sh)  # a decode call's mask when no row has one
         self._mask_shardings = mask_sh
         self.fork_slot = jax.jit(functools.partial(fork, sampler),
@@ -265,11 +273,13 @@ class ModelRunner:
         self.state, out = self.fork_slot(self.state, logits, np.int32(row), np.int32(source), batch)
         return out
 
-    def run_decode(self, kv_len: int, steps: int, mask: TokenMask | None = None) -> DecodeOutput:
+    def run_decode(self, kv_len: int, steps: int, mask: TokenMask | None = None, speculative: int = 0) -> DecodeOutput:
         """Dispatch ``steps`` decode steps of every slot (``decode``), the rows of ``mask`` that are
-        on (host arrays, ``host_mask``) one step under it; not waited for."""
+        on (host arrays, ``host_mask``) one step under it, or with ``speculative`` (no mask) steps
+        that verify up to that many draft tokens a slot; not waited for."""
         mask = self.no_mask if mask is None else jax.device_put(mask, self._mask_shardings)
-        self.state, out = self.sample_step(self.params, self.state, mask, kv_len=kv_len, steps=steps)
+        statics = dict(kv_len=kv_len, steps=steps, **({"speculative": speculative} if speculative else {}))
+        self.state, out = self.sample_step(self.params, self.state, mask, **statics)
         return out
 
     def host_mask(self, rows: int | None = None) -> TokenMask:
@@ -307,6 +317,10 @@ class ModelRunner:
             unstoppable=jax.device_put(np.zeros((b,), np.int32), sh.unstoppable),
             counts=jax.device_put(np.zeros((b, self.model.vocab_size), np.int32), sh.counts),
             seen=jax.device_put(np.zeros((b, self.model.vocab_size), bool), sh.seen),
+            history=jax.device_put(np.full((b, self.model.sequence_len), -1, np.int32), sh.history),
+            speculative=jax.device_put(np.zeros((b,), np.int32), sh.speculative),
+            draft_len=jax.device_put(np.zeros((b,), np.int32), sh.draft_len),
+            wait=jax.device_put(np.zeros((b,), np.int32), sh.wait),
             pool=self.new_pool() if self.new_pool is not None else None,
         )
 
@@ -329,7 +343,8 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
     k, v = jax.tree_util.tree_map(rows, (memory.k, memory.v))  # arrays, or int8 records (QuantizedKV)
     if state.pool is not None:  # a first chunk after a cached prefix starts from its blocks
         k, v = read_prefix(state.pool, batch, k, v, kv_len)
-    sub = KVMemory(k=k, v=v, step=jnp.where(batch.reset, batch.cached, step))
+    starts = jnp.where(batch.reset, batch.cached, step)
+    sub = KVMemory(k=k, v=v, step=starts)
     out = apply({"params": params}, batch.tokens, sub, batch.lengths, not score, kv_len)
     if state.pool is not None:
         state = state.replace(pool=save_prefix(state.pool, batch, out.memory, kv_len))
@@ -344,7 +359,7 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
 
     k, v = jax.tree_util.tree_map(put, (memory.k, memory.v), (out.memory.k, out.memory.v))
     memory = KVMemory(k=k, v=v, step=memory.step.at[slots].set(out.memory.step, mode="drop"))
-    state = state.with_prompts(batch)
+    state = state.with_prompts(batch, starts)
     keys, sample_keys = _seeded(batch)
     # Only a request's last chunk samples: a call of middle chunks never draws or summarises.
     # (The logits are also returned: a request with the same prompt forks from them, ``fork``.)
@@ -429,17 +444,30 @@ def fork(sampler, state: DecodeState, logits_BV, row, source, batch: PrefillBatc
         return full.at[dst].set(full[source])
 
     memory = jax.tree_util.tree_map(copy, memory)
-    state = state.replace(memory=memory, seen=copy(state.seen), counts=state.counts.at[dst].set(0))
+    state = state.replace(memory=memory, seen=copy(state.seen), counts=state.counts.at[dst].set(0),
+                          history=copy(state.history))
     keys, sample_keys = _seeded(batch)
     first = sample_token(logits_BV[row][None], batch.settings, sample_keys, sampler,
                          _first_rules(batch, state.seen, source[None]))
     return _start(state, batch, first, keys)
 
 
-def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, kv_len: int, steps: int):
+def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, kv_len: int, steps: int,
+           speculative: int = 0):
     """``steps`` decode steps of every slot (a scan on device), attending to the first ``kv_len``
     cache positions; each slot stops where ``ends`` says. A row whose ``mask`` is on takes the
-    first step only, under its mask; one it holds takes none. Pure, like ``prefill``."""
+    first step only, under its mask; one it holds takes none. With ``speculative`` (static, > 0;
+    no mask), each step is ``speculate``'s: up to that many draft tokens a slot verified in one
+    forward. Pure, like ``prefill``."""
+    if speculative:
+        def one_speculative(state, _):
+            return speculate(apply, sampler, params, state, kv_len, speculative)
+
+        state, out = jax.lax.scan(one_speculative, state, jnp.arange(steps))
+        flat = lambda a: a.reshape(steps * (speculative + 1), *a.shape[2:])  # noqa: E731: [n, k + 1, ...] -> [n (k + 1), ...]
+        return state, DecodeOutput(jax.tree_util.tree_map(flat, out.sample), flat(out.valid), flat(out.ended),
+                                   out.drafted, out.accepted)
+
     def one(state, step):
         split = jax.vmap(jax.random.split)(state.keys)  # [B, 2, 2]
         keys, sample_keys = split[:, 0], split[:, 1]
@@ -452,14 +480,110 @@ def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, kv_len: 
         remaining = state.remaining - lengths
         ended = valid & ends(tokens, state.stop_ids, remaining)
         b = tokens.shape[0]
+        rows = jnp.where(valid, jnp.arange(b), b)
         state = state.replace(memory=out.memory, tokens=tokens, keys=jnp.where(valid[:, None], keys, state.keys),
                               remaining=remaining, active=state.active & ~ended,
                               unstoppable=state.unstoppable - lengths,
-                              counts=state.counts.at[jnp.where(valid, jnp.arange(b), b), tokens].add(1, mode="drop"))
+                              counts=state.counts.at[rows, tokens].add(1, mode="drop"),
+                              history=state.history.at[rows, out.memory.step].set(tokens, mode="drop"))
         return state, (sample, valid, ended)
 
     state, (samples, valid, ended) = jax.lax.scan(one, state, jnp.arange(steps))
     return state, DecodeOutput(samples, valid, ended)
+
+
+PROBE_AFTER = 16  # steps a slot whose drafts all failed decodes plainly before it drafts one token again
+
+
+def speculate(apply, sampler, params, state: DecodeState, kv_len: int, k: int):
+    """One speculative step of every slot: each drafts up to ``min(k, its draft_len)`` tokens from
+    its own history (``ngram_draft``), the step's token and the draft go through one forward with
+    the cache (``k + 1`` positions a row, the draft's own length of them real), ``verify`` keeps
+    the draft's accepted prefix and the token after it, and the row's ``step`` is rolled back to
+    just past what it kept (the cache beyond it is stale, never attended). A row without a draft
+    samples its one token exactly as a plain step does (``sample_token``, its own key), so a
+    request that does not speculate is unchanged beside those that do. Greedy rows keep the
+    argmax at every position: plain decoding's tokens. A row's draft length grows by one after
+    a fully accepted draft and falls to what was accepted otherwise; at 0 it waits
+    ``PROBE_AFTER`` steps before it tries one token again, so failing drafts cost little.
+    Returns the state and a ``DecodeOutput`` of ``[k + 1, B]`` tokens (with drafted/accepted)."""
+    b, t = state.tokens.shape[0], k + 1
+    memory, step_B = state.memory, state.memory.step
+    split = jax.vmap(jax.random.split)(state.keys)
+    keys, sample_keys = split[:, 0], split[:, 1]
+    # a row at the end of the attended positions waits for a call over more of them
+    valid_B = state.active & (step_B < kv_len)
+    draft_BK, found_B = ngram_draft(state.history, step_B + 1, k)
+    room_B = jnp.minimum(state.remaining - 1, kv_len - step_B - 1)  # tokens it may still add after the first
+    count_B = jnp.where(valid_B, jnp.clip(jnp.minimum(jnp.minimum(found_B, state.draft_len), room_B), 0, k), 0)
+    real_BK = jnp.arange(k)[None, :] < count_B[:, None]
+    tokens_BT = jnp.concatenate([state.tokens[:, None], jnp.where(real_BK, draft_BK, 0)], axis=1)
+    out = apply({"params": params}, tokens_BT, memory, jnp.where(valid_B, count_B + 1, 0), False, kv_len)
+    raw_BTV = out.logits.astype(jnp.float32)
+    # the plain step's sample for every row (the rows without a draft keep it), its rules at position 0
+    plain = sample_token(raw_BTV[:, 0], state.settings, sample_keys, sampler, state.constraints(TokenMask(
+        words=jnp.zeros((b, -(-raw_BTV.shape[-1] // 32)), jnp.uint32), on=jnp.zeros((b,), bool),
+        hold=jnp.zeros((b,), bool))))
+    settings_R = jax.tree_util.tree_map(lambda a: jnp.repeat(a, t, axis=0), state.settings)
+    flat_RV = raw_BTV.reshape(b * t, -1)
+
+    def drafted_rows():
+        filtered = filter_logits(flat_RV, settings_R, sampler).reshape(b, t, -1)
+        return verify(jax.nn.softmax(filtered, axis=-1), draft_BK, count_B, state.settings.temperature <= 0,
+                      sample_keys, argmax_BT=jnp.argmax(raw_BTV, axis=-1))
+
+    accepted_B, next_B = jax.lax.cond(jnp.any(count_B > 0), drafted_rows,
+                                      lambda: (jnp.zeros((b,), jnp.int32), plain.token_id))
+    drafting = count_B > 0
+    next_B = jnp.where(drafting, next_B, plain.token_id)
+    accepted_B = jnp.where(drafting, accepted_B, 0)
+    # the row's tokens this step: its accepted draft, then the token after it
+    j = jnp.arange(t)[None, :]
+    emitted_BT = jnp.where(j < accepted_B[:, None], jnp.pad(draft_BK, ((0, 0), (0, 1))), next_B[:, None])
+    remaining_BT = state.remaining[:, None] - (j + 1)
+    ends_BT = ends(emitted_BT.reshape(-1), jnp.repeat(state.stop_ids, t, axis=0), remaining_BT.reshape(-1)).reshape(b, t)
+    candidate_BT = valid_B[:, None] & (j <= accepted_B[:, None])
+    first_end_B = jnp.argmax(candidate_BT & ends_BT, axis=1)
+    ended_B = jnp.any(candidate_BT & ends_BT, axis=1)
+    kept_BT = candidate_BT & (~ended_B[:, None] | (j <= first_end_B[:, None]))
+    n_B = jnp.sum(kept_BT, axis=1).astype(jnp.int32)  # tokens kept (0 for a row that did not step)
+    last_B = jnp.take_along_axis(emitted_BT, jnp.maximum(n_B - 1, 0)[:, None], axis=1)[:, 0]
+    # reported log-probabilities: the model's own at each kept position (a row without a draft: the plain sample's)
+    top = plain.top_k_token_ids.shape[-1]
+
+    def summary():
+        top_logits, top_ids, lse, _ = sampler.logits_summary(flat_RV, top)
+        chosen = jnp.take_along_axis(flat_RV, emitted_BT.reshape(-1, 1), axis=-1)[:, 0] - lse
+        return (chosen.reshape(b, t), top_ids.astype(jnp.int32).reshape(b, t, top),
+                jnp.exp(top_logits - lse[:, None]).reshape(b, t, top))
+
+    def none():
+        return jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t, top), jnp.int32), jnp.zeros((b, t, top), jnp.float32)
+
+    logprob_BT, top_ids_BTk, top_probs_BTk = jax.lax.cond(jnp.any(state.settings.logprobs >= 0), summary, none)
+    sample = SampleOutput(token_id=emitted_BT.T, logprob=logprob_BT.T, top_k_token_ids=top_ids_BTk.transpose(1, 0, 2),
+                          top_k_probs=top_probs_BTk.transpose(1, 0, 2))
+    # the state: the cache rolled back to the kept tokens, the history and the adaptive draft length
+    positions_BT = step_B[:, None] + 1 + j  # where each kept token goes in the history
+    rows_BT = jnp.where(kept_BT, jnp.arange(b)[:, None], b)
+    grow = drafting & (accepted_B == count_B)
+    draft_len = jnp.where(drafting, jnp.where(grow, jnp.minimum(state.draft_len + 1, state.speculative), accepted_B),
+                          state.draft_len)
+    waiting = valid_B & (draft_len == 0) & (state.speculative > 0)
+    wait = jnp.where(drafting & (draft_len == 0), PROBE_AFTER, jnp.where(waiting, state.wait - 1, state.wait))
+    draft_len = jnp.where(waiting & ~drafting & (wait <= 0), 1, draft_len)
+    state = state.replace(
+        memory=out.memory.replace(step=step_B + n_B),
+        tokens=jnp.where(n_B > 0, last_B, state.tokens),
+        keys=jnp.where(valid_B[:, None], keys, state.keys),
+        remaining=state.remaining - n_B,
+        active=state.active & ~ended_B,
+        unstoppable=state.unstoppable - n_B,
+        counts=state.counts.at[rows_BT, emitted_BT].add(1, mode="drop"),
+        history=state.history.at[rows_BT, positions_BT].set(emitted_BT, mode="drop"),
+        draft_len=draft_len, wait=wait)
+    ended_BT = kept_BT & ends_BT
+    return state, DecodeOutput(sample, kept_BT.T, ended_BT.T, count_B, jnp.minimum(accepted_B, n_B))
 
 
 class _PerStatic:

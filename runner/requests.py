@@ -25,6 +25,7 @@ INT32_MAX = 2**31 - 1  # token ids, top_k and max_len reach the device as int32
 # twin s + 2**64), and a seed below 2**32 gets jax.random.PRNGKey(seed)'s key, [0, seed].
 SEED_MIN, SEED_LIMIT = -(2**63), 2**64
 MAX_LOGPROBS = 20  # alternatives a token may report: the most the OpenAI API asks for
+MAX_SPECULATIVE = 16  # draft tokens a speculative step may verify at most
 
 
 def _is_int(value) -> bool:
@@ -85,6 +86,13 @@ class Request:
     # object). A grammar engine (``runner.grammar``) masks each token to those that keep the text a
     # prefix of a valid document; the request ends once the document is complete.
     json_schema: Optional[dict] = None
+    # Speculative decoding by n-gram lookup (runner/speculative.py): up to this many tokens a
+    # step drafted from the request's own prompt and output, verified in one forward. None: the
+    # runner's default (``InferenceRunner.speculative``, off unless it was started with it); 0:
+    # off. At most the runner's ``speculative``. Greedy output is plain decoding's; sampled output
+    # keeps its distribution (not its exact tokens for a seed). Not with the penalties, min_tokens
+    # or json_schema (whose rules change token by token).
+    speculative: Optional[int] = None
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)  # frozen: the checked values are set once, here
@@ -136,6 +144,19 @@ class Request:
                 raise ValueError(f"Request.{name} must be None or an integer in [0, {MAX_LOGPROBS}] (alternatives "
                                  f"per token), got {value!r}")
             set_(name, None if value is None else int(value))
+        if self.speculative is not None:
+            if not _is_int(self.speculative) or not 0 <= self.speculative <= MAX_SPECULATIVE:
+                raise ValueError(f"Request.speculative must be None or an integer in [0, {MAX_SPECULATIVE}] (draft "
+                                 f"tokens a step; 0 = off), got {self.speculative!r}")
+            set_("speculative", int(self.speculative))
+            if self.speculative:
+                rules = {"repetition_penalty": self.repetition_penalty != 1, "frequency_penalty": self.frequency_penalty != 0,
+                         "presence_penalty": self.presence_penalty != 0, "min_tokens": self.min_tokens > 0,
+                         "json_schema": self.json_schema is not None}
+                clash = [name for name, on in rules.items() if on]
+                if clash:
+                    raise ValueError(f"Request.speculative={self.speculative} does not combine with {', '.join(clash)}: "
+                                     "their rules change with every token of a drafted run; set speculative=0")
         set_("top_k", int(self.top_k))
         set_("max_len", int(self.max_len))
         set_("min_tokens", int(self.min_tokens))
@@ -158,6 +179,26 @@ class PromptLogprob:
 
 
 @dataclasses.dataclass(frozen=True)
+class Speculation:
+    """A request's speculative decoding (``Request.speculative``): its decode steps (forwards
+    after the prefill's first token), the tokens they generated, and of those steps' drafts the
+    tokens drafted and the drafted tokens accepted."""
+
+    steps: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class TokenEvent:
     """One generated token of one request, or, with ``token_id`` None, its end without one
     (finish reason ``cancelled``, or ``error`` with the message in ``error``)."""
@@ -175,6 +216,8 @@ class TokenEvent:
     prompt_logprobs: Optional[tuple] = None
     # prompt tokens whose KV came from the prefix cache, not computed (the usage's cached_tokens)
     cached_tokens: int = 0
+    # on the last event of a request that speculated: its Speculation so far
+    speculation: Optional["Speculation"] = None
 
     @property
     def request_id(self) -> str:

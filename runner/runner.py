@@ -27,7 +27,7 @@ import numpy as np
 from model.sharding import make_mesh
 from runner.core import EngineCore, Inbox
 from runner.engine import ModelRunner
-from runner.requests import Request, TokenEvent
+from runner.requests import MAX_SPECULATIVE, Request, TokenEvent
 from runner.prefix_cache import PrefixCache
 from runner.scheduler import Scheduler, chunk_lengths, smallest_at_least
 from runner.state import MAX_STOP_IDS
@@ -108,6 +108,11 @@ class InferenceRunner:
     prefix_cache_blocks: int | str = 0
     prefix_cache_bytes: int = 0  # or a pool of as many blocks as this many bytes hold
     prefix_block_size: int = 16
+    # Speculative decoding by n-gram lookup (runner/speculative.py): the most draft tokens a step
+    # may verify, and each request's default (``Request.speculative``: a request may ask for
+    # fewer, or 0). Its decode variants are compiled at start only if > 0. Off (0) by default:
+    # BENCHMARKS.md measures where it helps.
+    speculative: int = 0
 
     def initialize(self, warmup: bool = True) -> None:
         mesh = self.mesh or self.runner.mesh
@@ -143,6 +148,10 @@ class InferenceRunner:
             prefix = PrefixCache(blocks, size, identity)
         if not isinstance(self.decode_steps, int) or self.decode_steps <= 0:
             raise ValueError(f"decode_steps must be a positive integer, got {self.decode_steps!r}")
+        if (not isinstance(self.speculative, int) or isinstance(self.speculative, bool)
+                or not 0 <= self.speculative <= MAX_SPECULATIVE):
+            raise ValueError(f"speculative must be an integer in [0, {MAX_SPECULATIVE}] (the most draft tokens a "
+                             f"step; 0 = off), got {self.speculative!r}")
         path = self.tokenizer_path or self.runner.tokenizer_path
         self.tokenizer = Tokenizer(path) if path is not None else None
         if self.tokenizer is not None and self.tokenizer.vocab_size != self.config.vocab_size:
@@ -150,7 +159,7 @@ class InferenceRunner:
                              f"vocab_size is {self.config.vocab_size}")
         self.scheduler = Scheduler(self.batch_size, self.pad_sizes, self.kv_buckets, self.config.sequence_len,
                                    budget, self.decode_steps, self.config.eos_token, prefix,
-                                   vocab_size=self.config.vocab_size)
+                                   vocab_size=self.config.vocab_size, speculative=self.speculative)
         self.core = EngineCore(self.runner, self.scheduler, self.prepare, self.tokenizer, self.grammar_of)
         if warmup:
             self._warmup()
@@ -182,8 +191,12 @@ class InferenceRunner:
         lowered = [model.prefill_memory.variant(kv_len=kv, score=score).lower(model.params, model.state, batch)
                    for batch, kv, score in prefills]
         steps = sorted(self.scheduler.step_counts())
-        lowered += [model.sample_step.variant(kv_len=kv_len, steps=n).lower(model.params, model.state, model.no_mask)
-                    for kv_len in self.kv_buckets for n in steps]
+        decodes = [dict(kv_len=kv_len, steps=n) for kv_len in self.kv_buckets for n in steps]
+        if self.speculative:  # a call whose slots speculate: any of them, beside plain ones
+            decodes += [dict(kv_len=kv_len, steps=n, speculative=self.speculative)
+                        for kv_len in self.kv_buckets for n in steps]
+        lowered += [model.sample_step.variant(**statics).lower(model.params, model.state, model.no_mask)
+                    for statics in decodes]
         # a fork (in warm-up: slot 0 copied onto itself, nothing started), its logits placed like
         # a prefill's output (a host array would be another variant)
         one, logits = empty_batch(1, 1), np.zeros((b, self.config.vocab_size), np.float32)
@@ -195,7 +208,7 @@ class InferenceRunner:
         # each variant run once (padding rows and free slots only: nothing changes)
         outs = [model.run_prefill(batch, kv, score) for batch, kv, score in prefills]
         outs.append(model.run_fork(logits, 0, 0, one))
-        outs += [model.run_decode(kv_len, n) for kv_len in self.kv_buckets for n in steps]
+        outs += [model.run_decode(**statics) for statics in decodes]
         jax.block_until_ready((model.state, outs))
 
     @property
@@ -257,6 +270,10 @@ class InferenceRunner:
                              "prefill variants are compiled at start), got a runner without")
         if request.json_schema is not None:
             self.grammar_of(request)  # compiled (and cached) now: a schema it cannot take is this request's error
+        if request.speculative and request.speculative > self.speculative:
+            raise ValueError(f"Request.speculative={request.speculative}: this runner verifies at most "
+                             f"{self.speculative} draft tokens a step (InferenceRunner(speculative=...), "
+                             f"--speculative; 0 = off)")
         return ids
 
     def grammar_of(self, request: Request):

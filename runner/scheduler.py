@@ -34,7 +34,7 @@ from typing import Optional
 import numpy as np
 
 from runner.prefix_cache import PrefixCache
-from runner.requests import Request
+from runner.requests import Request, Speculation
 from runner.sampling import SampleSettings
 from runner.state import MAX_STOP_IDS, PrefillBatch
 
@@ -104,6 +104,8 @@ class Sequence:
     generated: int = 0  # tokens read back and emitted
     finished: bool = False
     scores: list = dataclasses.field(default_factory=list)  # its prompt's PromptLogprobs so far, if it asked
+    speculative: int = 0  # the most draft tokens a step (Request.speculative, or the runner's); 0: off
+    speculation: Speculation = Speculation()  # its speculative decoding so far, as read
 
     @property
     def scored(self) -> bool:
@@ -159,6 +161,10 @@ class RoundPlan:
     decode: list[Sequence] = dataclasses.field(default_factory=list)
     decode_kv_len: int = 0
     decode_steps: int = 0
+    # a speculative decode call's most draft tokens a step (0: a plain call), and the positions
+    # each of its slots may advance at most (``Sequence.decode_steps`` is corrected when read)
+    decode_speculative: int = 0
+    decode_bounds: dict = dataclasses.field(default_factory=dict)
 
 
 def row_buckets(batch_size: int) -> tuple[int, ...]:
@@ -180,8 +186,9 @@ class Scheduler:
 
     def __init__(self, batch_size: int, pad_sizes: tuple[int, ...], kv_buckets: tuple[int, ...],
                  sequence_len: int, budget: int, decode_steps: int, eos_token: int,
-                 prefix: Optional[PrefixCache] = None, *, vocab_size: int):
+                 prefix: Optional[PrefixCache] = None, *, vocab_size: int, speculative: int = 0):
         self.batch_size, self.sequence_len = batch_size, sequence_len
+        self.speculative = speculative  # the most draft tokens a step (Request.speculative's default); 0: off
         self.prefix = prefix  # the prefix cache's index (None: off)
         # the prefill batch's block tables: a column per cache block (runner.state.PrefillBatch)
         self.blocks = sequence_len // prefix.block_size if prefix is not None else 0
@@ -197,6 +204,7 @@ class Scheduler:
     # ---- requests in and out ---------------------------------------------------------------------
     def add(self, request: Request, ids: list[int], sink) -> Sequence:
         sequence = Sequence(request, ids, sink, chunk_lengths(len(ids), self.chunk_sizes), hash(tuple(ids)))
+        sequence.speculative = self.speculative if request.speculative is None else request.speculative
         self.waiting.append(sequence)
         return sequence
 
@@ -271,9 +279,15 @@ class Scheduler:
             full = not self.slots.count(None)
             alone = all(s.matcher is not None for s in plan.decode)
             steps = plan.decode_steps = 1 if rows or alone else self.decode_steps * (2 if full else 1)
-            plan.decode_kv_len = smallest_at_least(self.kv_buckets, max(s.dispatched for s in plan.decode) + steps)
+            # a speculative call when a slot speculates and none has a grammar (whose mask needs its last token)
+            if any(s.speculative for s in plan.decode) and not any(s.matcher is not None for s in plan.decode):
+                plan.decode_speculative = self.speculative
+            for s in plan.decode:  # positions each may advance: a step's token and its draft
+                plan.decode_bounds[s.slot] = steps * (1 + (s.speculative if plan.decode_speculative else 0))
+            plan.decode_kv_len = smallest_at_least(
+                self.kv_buckets, max(s.dispatched + plan.decode_bounds[s.slot] for s in plan.decode))
             for s in plan.decode:
-                s.decode_steps += steps
+                s.decode_steps += plan.decode_bounds[s.slot]
         return plan
 
     def _leader_of(self, sequence: Sequence, scheduled: list[Sequence]) -> Optional[Sequence]:
@@ -414,6 +428,7 @@ def request_row(batch: PrefillBatch, i: int, sequence: Sequence, eos_token: int)
     batch.seed[i] = seed_key(request.rng_seed if request.rng_seed is not None else default_seed(request))
     batch.max_len[i] = request.max_len
     batch.min_tokens[i] = request.min_tokens
+    batch.speculative[i] = sequence.speculative
     stop = stop_ids(request, eos_token)
     batch.stop_ids[i, : len(stop)] = stop
 
@@ -428,6 +443,7 @@ def empty_batch(rows: int, bucket: int, batch_size: int, blocks: int = 0, pool_b
         lengths=np.zeros((rows,), np.int32), reset=np.zeros((rows,), bool), last=np.zeros((rows,), bool),
         settings=SampleSettings.host(rows), seed=np.zeros((rows, 2), np.uint32),
         max_len=np.ones((rows,), np.int32), min_tokens=np.zeros((rows,), np.int32),
+        speculative=np.zeros((rows,), np.int32),
         stop_ids=np.full((rows, MAX_STOP_IDS), -1, np.int32),
         mask=np.zeros((rows, -(-vocab_size // 32)), np.uint32), masked=np.zeros((rows,), bool),
         targets=np.full((rows, bucket), -1, np.int32), cached=np.zeros((rows,), np.int32),

@@ -9,7 +9,8 @@ free.
 Both rules are pure JAX over a batch of rows, so they run where the tokens are (a token history
 in the decode state) and the host never proposes stale drafts:
 
-- ``ngram_draft``: each row's draft, from its token history alone.
+- ``ngram_draft``: each row's draft, from its token history alone (-1 marks an unknown token:
+  it never matches).
 - ``verify``: which drafted tokens a row keeps, and the token that follows them, such that the
   kept tokens have exactly the distribution plain decoding would give them: a greedy row keeps a
   draft token while it is the argmax; a sampled row keeps draft token d with probability p(d)
@@ -17,9 +18,8 @@ in the decode state) and the host never proposes stale drafts:
   from p with d removed, renormalised (the residual max(0, p - q) normalised); after a fully
   accepted draft it samples the next position from p itself.
 
-Not yet wired into the engine: the decode state needs the token history and a verification
-call, the KV of rejected positions rolled back (the row's ``step``), and the draft length made
-adaptive.
+The engine's speculative step (``runner.engine.speculate``) drafts, verifies in one forward with
+the cache, rolls the row's ``step`` back past what it kept and adapts each row's draft length.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import jax.numpy as jnp
 def ngram_draft(history_BS, length_B, k: int, max_n: int = 3, min_n: int = 1):
     """Each row's draft of up to ``k`` tokens: for the longest n in ``[min_n, max_n]`` whose last
     n tokens (of the row's first ``length_B`` history tokens) occurred earlier, the tokens that
-    followed their most recent earlier occurrence. Returns (draft ``[B, k]`` int32, padded with
+    followed their most recent earlier occurrence that is followed by k tokens, or if none is,
+    their most recent earlier occurrence. Returns (draft ``[B, k]`` int32, padded with
     -1; its length ``[B]`` int32, 0 where nothing matched)."""
     b, s = history_BS.shape
     positions = jnp.arange(s)
@@ -46,7 +47,11 @@ def ngram_draft(history_BS, length_B, k: int, max_n: int = 3, min_n: int = 1):
             match &= shifted == last[:, i: i + 1]
         # an earlier occurrence (not the last n tokens themselves): one followed by a token
         match &= positions[None, :] < (length_B - n)[:, None]
-        best = jnp.max(jnp.where(match, positions[None, :], -1), axis=1)  # the most recent
+        # the most recent followed by k tokens, else the most recent (in a run of one repeated
+        # token, the occurrence just before the end is followed by one token only)
+        full = jnp.max(jnp.where(match & (positions[None, :] <= (length_B - n - k)[:, None]), positions[None, :], -1),
+                       axis=1)
+        best = jnp.where(full >= 0, full, jnp.max(jnp.where(match, positions[None, :], -1), axis=1))
         found = best >= 0
         start = best + n
         available = jnp.minimum(k, length_B - start)
@@ -58,21 +63,22 @@ def ngram_draft(history_BS, length_B, k: int, max_n: int = 3, min_n: int = 1):
     return draft.astype(jnp.int32), count.astype(jnp.int32)
 
 
-def verify(probs_BKV, draft_BK, count_B, greedy_B, keys_B2):
+def verify(probs_BKV, draft_BK, count_B, greedy_B, keys_B2, argmax_BT=None):
     """The tokens a row keeps from its draft and the one after them.
 
     ``probs_BKV`` are the target distributions at the row's k + 1 positions (position i predicts
     the token after draft token i - 1; position 0 the first new token), after the row's own
     sampling rules; ``draft_BK`` its draft (``count_B`` real tokens); ``greedy_B`` rows keep
-    argmax; ``keys_B2`` one PRNG key a row for this call. Returns (accepted ``[B]`` int32: draft
-    tokens kept, the next ``[B]`` int32: the token after them)."""
+    argmax (``argmax_BT``, the raw logits' where given: exactly plain greedy decoding's token, else
+    the probabilities'); ``keys_B2`` one PRNG key a row for this call. Returns (accepted ``[B]``
+    int32: draft tokens kept, the next ``[B]`` int32: the token after them)."""
     b, k1, v = probs_BKV.shape
     k = k1 - 1
     uniform_key, residual_key, free_key = (jax.vmap(lambda key: jax.random.split(key, 3))(keys_B2)
                                            .transpose(1, 0, 2))
     safe_draft = jnp.clip(draft_BK, 0, v - 1)
     p_draft = jnp.take_along_axis(probs_BKV[:, :k], safe_draft[..., None], axis=-1)[..., 0]  # [B, k]
-    argmax_BK = jnp.argmax(probs_BKV, axis=-1)  # [B, k + 1]
+    argmax_BK = jnp.argmax(probs_BKV, axis=-1) if argmax_BT is None else argmax_BT  # [B, k + 1]
     u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(uniform_key)
     keep = jnp.where(greedy_B[:, None], argmax_BK[:, :k] == draft_BK, u < p_draft)
     keep &= jnp.arange(k)[None, :] < count_B[:, None]

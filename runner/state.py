@@ -41,6 +41,7 @@ class PrefillBatch:
     seed: jax.Array  # [P, 2] uint32: the PRNG key of its seed (runner.requests: SEED_LIMIT)
     max_len: jax.Array  # [P] int32
     min_tokens: jax.Array  # [P] int32: tokens before a stop id may be sampled
+    speculative: jax.Array  # [P] int32: draft tokens a speculative step may verify (0: off)
     stop_ids: jax.Array  # [P, MAX_STOP_IDS] int32 (-1 = unused; EOS first unless it ignores EOS)
     # its first token's allowed-token bitmask (``Constraints.mask``), where ``masked``
     mask: jax.Array  # [P, ceil(V / 32)] uint32
@@ -106,6 +107,14 @@ class DecodeState:
     unstoppable: jax.Array  # [B] int32: tokens the slot must still generate before a stop id may come
     counts: jax.Array  # [B, V] int32: times the slot's request generated each token (the penalties)
     seen: jax.Array  # [B, V] bool: the tokens of its prompt (the repetition penalty)
+    # Speculative decoding (runner/speculative.py): each slot's tokens by position, prompt and
+    # output (-1: unknown, e.g. a prefix read from the cache), its request's most draft tokens a
+    # step (0: off), the draft length it takes now (adapted to how its drafts fare), and while
+    # that is 0, the steps until it tries a draft of one again.
+    history: jax.Array  # [B, S] int32
+    speculative: jax.Array  # [B] int32
+    draft_len: jax.Array  # [B] int32
+    wait: jax.Array  # [B] int32
     pool: Optional[PrefixPool] = None  # the prefix cache's blocks (None: no prefix cache)
 
     def start(self, batch: PrefillBatch, first: SampleOutput, keys) -> "DecodeState":
@@ -117,7 +126,12 @@ class DecodeState:
         at = jnp.where(batch.last, batch.slots, b)  # rows that start decoding; the others drop out
         put = lambda full, new: full.at[at].set(new.astype(full.dtype), mode="drop")  # noqa: E731
         token, remaining = first.token_id, batch.max_len - 1
+        position = jnp.take(self.memory.step, batch.slots, mode="fill", fill_value=0)  # the first token's
         return self.replace(
+            history=self.history.at[at, position].set(token, mode="drop"),
+            speculative=put(self.speculative, batch.speculative),
+            draft_len=put(self.draft_len, batch.speculative),
+            wait=put(self.wait, jnp.zeros_like(batch.speculative)),
             tokens=put(self.tokens, token),
             settings=jax.tree_util.tree_map(put, self.settings, batch.settings),
             keys=put(self.keys, keys),
@@ -128,17 +142,20 @@ class DecodeState:
             counts=self.counts.at[at, token].add(1, mode="drop"),  # its rows were zeroed (``with_prompts``)
         )
 
-    def with_prompts(self, batch: PrefillBatch) -> "DecodeState":
-        """The state with the token history of ``batch``'s rows: a first chunk's row starts with
-        none, then every chunk's prompt tokens are marked seen."""
+    def with_prompts(self, batch: PrefillBatch, starts) -> "DecodeState":
+        """The state with the token history of ``batch``'s rows, whose chunks start at positions
+        ``starts [P]``: a first chunk's row starts with none, then every chunk's prompt tokens are
+        marked seen and written at their positions."""
         b, v = self.seen.shape
         fresh = jnp.where(batch.reset, batch.slots, b)
         seen = self.seen.at[fresh].set(False, mode="drop")
         counts = self.counts.at[fresh].set(0, mode="drop")
+        history = self.history.at[fresh].set(-1, mode="drop")
         t = batch.tokens.shape[1]
         real = jnp.arange(t)[None, :] < batch.lengths[:, None]
         rows = jnp.where(real, batch.slots[:, None], b)
-        return self.replace(seen=seen.at[rows, batch.tokens].set(True, mode="drop"), counts=counts)
+        return self.replace(seen=seen.at[rows, batch.tokens].set(True, mode="drop"), counts=counts,
+                            history=history.at[rows, starts[:, None] + jnp.arange(t)].set(batch.tokens, mode="drop"))
 
     def constraints(self, mask: "TokenMask") -> Constraints:
         """Every row's ``Constraints`` for its next token: its history, its stop ids banned while
@@ -162,3 +179,8 @@ class DecodeOutput:
     sample: SampleOutput
     valid: jax.Array  # [steps, B] bool
     ended: jax.Array  # [steps, B] bool: the token ends its request (``ends``)
+    # A speculative call's (else None): each of its ``n`` steps' draft tokens per slot, and how
+    # many of them were accepted; its ``steps`` above are n x (1 + the most draft tokens), a
+    # step's tokens in a row, the first ``accepted + 1`` of them valid (fewer where one ends).
+    drafted: Optional[jax.Array] = None  # [n, B] int32
+    accepted: Optional[jax.Array] = None  # [n, B] int32

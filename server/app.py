@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from runner import InferenceRunner, Request
+from runner.requests import Speculation
 from server.chat import ChatTemplate
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -85,6 +86,7 @@ class _Choice:
         self.text, self.tokens, self.logprobs, self.tops, self.offsets = "", [], [], [], []
         self.prompt_logprobs = None  # its prompt's PromptLogprobs, if its request scored it
         self.cached_tokens = 0  # its prompt's tokens read from the prefix cache
+        self.speculation = None  # its request's Speculation, on its last event if it speculated
         self.finish_reason: Optional[str] = None
         self.failed = False  # it ended with an error of its own
 
@@ -94,6 +96,8 @@ class _Choice:
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
         self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
+        if event.speculation is not None:
+            self.speculation = event.speculation
         if self.matcher is not None:
             piece = self.matcher.feed(piece)
             if self.matcher.stopped:
@@ -127,8 +131,16 @@ def _usage(prompt_tokens: int, choices: list[_Choice], n: int) -> dict:
     counted once (its copies share one prefill)."""
     completion = sum(len(c.tokens) for c in choices)
     cached = sum(max(c.cached_tokens for c in choices[i: i + n]) for i in range(0, len(choices), n))
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+             "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    speculated = [c.speculation for c in choices if c.speculation is not None]
+    if speculated:  # ours: the choices' speculative decoding, summed (known once they ended)
+        total = Speculation(*(sum(getattr(s, f) for s in speculated) for f in ("steps", "tokens", "drafted", "accepted")))
+        usage["speculative_decoding"] = {
+            "decode_steps": total.steps, "decode_tokens": total.tokens, "draft_tokens": total.drafted,
+            "accepted_tokens": total.accepted, "acceptance_rate": round(total.acceptance_rate, 4),
+            "tokens_per_step": round(total.tokens_per_step, 4)}
+    return usage
 
 
 class Server:
@@ -477,6 +489,8 @@ class Server:
             with self._inflight_lock:
                 self._inflight.discard(sink)
             self.metrics.generation_tokens.inc(len(choice.tokens))
+            if choice.speculation is not None:
+                self.metrics.speculated(choice.speculation)
             if not choice.done or self.runner.core.is_live(request.request_id):
                 self.runner.core.cancel(request.request_id)
             if choice.done:

@@ -50,9 +50,26 @@ class Metrics:
         self.prefix_hits = prom.Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache "
                                         "(not computed).", labels, registry=r).labels(**self.labels)
         self._prefix_seen = (0, 0)
+        # speculative decoding (runner/speculative.py), counted when a request that speculated ends:
+        # vLLM's two counters, and ours for tokens per step (tokens / steps)
+        self.spec_drafted = prom.Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed by n-gram "
+                                         "lookup and verified.", labels, registry=r).labels(**self.labels)
+        self.spec_accepted = prom.Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels,
+                                          registry=r).labels(**self.labels)
+        self.spec_steps = prom.Counter("grok_runner:spec_decode_steps", "Decode steps of requests that speculate.",
+                                       labels, registry=r).labels(**self.labels)
+        self.spec_tokens = prom.Counter("grok_runner:spec_decode_tokens", "Tokens those decode steps generated.",
+                                        labels, registry=r).labels(**self.labels)
 
     def finished(self, reason: str) -> None:
         self.success.labels(finished_reason=reason, **self.labels).inc()
+
+    def speculated(self, speculation) -> None:
+        """A finished request's ``Speculation`` into the counters."""
+        self.spec_drafted.inc(speculation.drafted)
+        self.spec_accepted.inc(speculation.accepted)
+        self.spec_steps.inc(speculation.steps)
+        self.spec_tokens.inc(speculation.tokens)
 
     def update_load(self, running: int, waiting: int, held: int, available: int) -> None:
         """Requests running and waiting; KV positions ``held`` by running requests of ``available``."""

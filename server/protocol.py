@@ -49,7 +49,8 @@ _API_NAMES = {"prompt": "prompt", "temperature": "temperature", "nucleus_p": "to
               "request_id": "request_id", "logprobs": "logprobs", "prompt_logprobs": "logprobs",
               "min_p": "min_p", "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
               "presence_penalty": "presence_penalty", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
-              "skip_special_tokens": "skip_special_tokens", "json_schema": "response_format"}
+              "skip_special_tokens": "skip_special_tokens", "json_schema": "response_format",
+              "speculative": "speculative"}
 MAX_STOPS = 4
 
 
@@ -118,6 +119,8 @@ class _Body(_Tolerant):
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # ours: draft tokens a step of n-gram speculative decoding (None: the server's --speculative; 0: off)
+    speculative: Optional[int] = None
     stop_token_ids: Optional[list[int]] = None
     # structured output: OpenAI's response_format, and vLLM's guided_json and structured_outputs
     response_format: Optional[dict[str, Any]] = None
@@ -204,7 +207,8 @@ class _Body(_Tolerant):
                                    repetition_penalty=self.repetition_penalty,
                                    frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                                    min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                                   skip_special_tokens=self.skip_special_tokens, json_schema=self.json_schema()))
+                                   skip_special_tokens=self.skip_special_tokens, json_schema=self.json_schema(),
+                                   speculative=self.speculative))
             except ValueError as e:
                 raise bad_request(e, prompt_field) from None
         return out
