@@ -19,6 +19,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from model.tree import path_str
+
 
 @flax.struct.dataclass
 class QuantizedWeight8bit:
@@ -95,8 +97,6 @@ def quantize_params(params, *, groups: int = 1, scale_dtype=jnp.float32):
     and the attention projections) quantised by ``quantize`` (per output channel; float32 scales
     by default, so the only error is the int8 rounding). Weights already int8 and all other
     leaves are unchanged."""
-    from model.sharding import path_str
-
     def one(path, w):
         if is_quantized(w) or not QUANTIZABLE.fullmatch(path_str(path)):
             return w

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from model.partitioning import (DEFAULT_RULES, EXPERT_PARALLEL_RULES, KV_MEMORY_AXES, MESH_AXES,  # noqa: F401
                                 activation_sharding, axis_size, constrain, spec_for)
 from model.quant import QuantizedWeight8bit
+from model.tree import path_str
 
 
 def make_mesh(shape: tuple[int, int] = (1, 1), devices=None) -> Mesh:
@@ -67,14 +68,6 @@ def check_divisible(name: str, shape, spec: P, mesh: Mesh) -> None:
             raise ValueError(
                 f"{name}: dimension {dim} of size {size} is not divisible by mesh axis {entry!r} "
                 f"of size {axis_size(mesh, entry)} (mesh {dict(mesh.shape)})")
-
-
-def path_str(path) -> str:
-    """'/'-joined names of a pytree key path (dict keys and dataclass fields)."""
-    parts = []
-    for key in path:
-        parts.append(str(getattr(key, "key", getattr(key, "name", key))))
-    return "/".join(parts)
 
 
 def param_specs(params, rules: dict | None = None, mesh: Mesh | None = None):

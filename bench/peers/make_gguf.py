@@ -12,7 +12,8 @@ import gguf
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp/peers/grok-bench-f32.gguf"
 
-VOCAB = 8192
+# 8,192 for bench.load's peers; 32,768 for bench.speculation's (the bench config's vocabulary)
+VOCAB = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
 HIDDEN = 512
 LAYERS = 8
 N_HEAD = 8
