@@ -6,9 +6,11 @@ in f32 and q8_0 on the same dimensions.
         [--llama-bench PATH --gguf-f32 F32.gguf --gguf-q8 Q8.gguf] [--out bench/speculation.json]
 
 - The bench config (bench/common.py BENCH, random weights): decode tokens/s of every request
-  together once all have their first token, at each batch size, for two workloads: ``greedy``
-  (the random model's greedy continuation falls into repeats: an output that repeats itself) and
-  ``sampled`` (temperature 1: plain text with few repeats, where drafts mostly fail). The three
+  together once all have their first token, at each batch size, for three workloads: ``greedy``
+  (the random model's greedy continuation falls into repeats: an output that repeats itself),
+  ``sampled`` (temperature 1: the random model is so sure of its next token that this repeats
+  too) and ``hot`` (temperature 4: tokens spread over the vocabulary, so drafts are rarely found
+  and mostly fail: the cost of speculating where it cannot help). The three
   runners take turns, request set by request set; medians over ``--repeats``.
 - The weight bytes a decode step reads (formula: the experts a batch reaches, the attention
   projections, the embedding; int8 with its scales), and the ceiling they give at the best read
@@ -17,6 +19,8 @@ in f32 and q8_0 on the same dimensions.
   that the output quotes (the passage, then its opening again) and on plain continuation.
 - llama.cpp: ``llama-bench -p 0 -n TOKENS -t 2`` (text generation at batch 1) on GGUFs of the
   bench config's dimensions (bench/peers/make_gguf.py OUT 32768, then llama-quantize q8_0).
+- The logit error of quantising the bench config at load, and the peak host memory of restoring
+  an int8 checkpoint (bench/restore.py's, 1 GB) read as int8 against dequantised at load.
 
 Never run by the tests.
 """
@@ -89,7 +93,7 @@ def bench_config(args, limits: LimitsProbe) -> list[dict]:
             print(f"batch {b}, {way}: {model.backend_report().splitlines()[0]}", flush=True)
         rng = np.random.default_rng(b)
         prompts = [rng.integers(4, BENCH.vocab_size, 64).tolist() for _ in range(b)]
-        for workload, temperature in (("greedy", 0.0), ("sampled", 1.0)):
+        for workload, temperature in args.workloads:
             rates = {way: [] for way in WAYS}
             specs = {}
             limits()
@@ -149,6 +153,63 @@ def shipped(args) -> list[dict]:
     return rows
 
 
+MEMORY_CHILD = """
+import resource, sys, time, numpy as np
+from runner import ModelRunner
+start = time.perf_counter()
+m = ModelRunner(checkpoint_path=sys.argv[1], backend="cpu", dequantize=sys.argv[2] == "1")
+m.initialize(batch_size=1)
+m.forward(m.params, np.ones((1, 8), np.int32), np.array([8], np.int32)).block_until_ready()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, time.perf_counter() - start)
+"""
+
+
+def peak_memory(args) -> list[dict]:
+    """Peak host memory of a process that restores bench.restore's int8 checkpoint (about 1 GB:
+    int8 experts and attention, a float32 embedding) and runs a forward on the CPU backend: its
+    int8 weights read as int8, and dequantised to float32 at load (the default before)."""
+    import os
+    import sys
+
+    from bench.restore import write_checkpoint
+
+    directory = args.memory_checkpoint
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        os.makedirs(directory, exist_ok=True)
+        write_checkpoint(directory)
+    size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+    rows = []
+    for way, flag in (("int8 read as int8", "0"), ("dequantised at load", "1")):
+        done = subprocess.run([sys.executable, "-c", MEMORY_CHILD, directory, flag], capture_output=True, text=True,
+                              timeout=1800, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        if done.returncode:
+            print(f"{way} failed: {done.stderr[-800:]}")
+            continue
+        rss, seconds = done.stdout.split()[-2:]
+        rows.append({"way": way, "checkpoint_bytes": size, "peak_rss_bytes": int(rss), "seconds": float(seconds)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def quantization_error(args) -> dict:
+    """Quantising the bench config's float32 weights at load (``ModelRunner(quantize="int8")``):
+    its logits against the float32 model's, on 4 random prompts of 64 tokens."""
+    from model import forward
+    from model.quant import QuantizedWeight8bit, dequantize, quantize_params
+
+    params = init_params(BENCH, jax.random.PRNGKey(0))
+    deq = jax.tree_util.tree_map(lambda w: dequantize(w, jax.numpy.float32), quantize_params(params),
+                                 is_leaf=lambda x: isinstance(x, QuantizedWeight8bit))
+    tokens = np.random.default_rng(0).integers(4, BENCH.vocab_size, (4, 64)).astype(np.int32)
+    a = np.asarray(jax.jit(lambda p, t: forward(p, t, BENCH).logits)(params, tokens))
+    b = np.asarray(jax.jit(lambda p, t: forward(p, t, BENCH).logits)(deq, tokens))
+    out = {"max_abs_over_max_logit": float(np.abs(a - b).max() / np.abs(a).max()),
+           "mean_abs_over_std": float(np.abs(a - b).mean() / a.std()),
+           "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).mean())}
+    print(json.dumps({"quantization_error": out}), flush=True)
+    return out
+
+
 def llama(args) -> list[dict]:
     rows = []
     for name, path in (("f32", args.gguf_f32), ("q8_0", args.gguf_q8)):
@@ -176,18 +237,29 @@ def main(argv=None):
     parser.add_argument("--llama-bench")
     parser.add_argument("--gguf-f32")
     parser.add_argument("--gguf-q8")
+    parser.add_argument("--workloads", default="greedy=0,sampled=1,hot=4",
+                        help="name=temperature of each bench-config workload")
     parser.add_argument("--skip-shipped", action="store_true")
+    parser.add_argument("--only", default="llama,speed,shipped,error,memory",
+                        help="comma-separated parts to run (llama, speed, shipped, error, memory)")
+    parser.add_argument("--memory-checkpoint", default="/tmp/int8-checkpoint")
     parser.add_argument("--out", default="bench/speculation.json")
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.workloads = [(name, float(t)) for name, t in (w.split("=") for w in args.workloads.split(","))]
     print(f"CPU: {cpu()}", flush=True)
     limits = LimitsProbe(3)
     results = {"cpu": cpu(), "args": {k: v for k, v in vars(args).items()}}
-    results["llama.cpp"] = llama(args)  # first: its threads never share the cores with ours
-    results["bench_config"] = bench_config(args, limits)
-    results["limits"] = limits.fastest()
-    if not args.skip_shipped:
+    parts = set(args.only.split(","))
+    results["llama.cpp"] = llama(args) if "llama" in parts else []  # first: its threads never share our cores
+    results["bench_config"] = bench_config(args, limits) if "speed" in parts else []
+    results["limits"] = limits.fastest() if limits.seen else limits()
+    if "shipped" in parts and not args.skip_shipped:
         results["shipped"] = shipped(args)
+    if "error" in parts:
+        results["quantization_error"] = quantization_error(args)
+    if "memory" in parts:
+        results["peak_memory"] = peak_memory(args)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     bandwidth = results["limits"]["bandwidth"]

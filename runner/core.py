@@ -110,7 +110,7 @@ class EngineCore:
         # PromptScores with each row's first prompt position or None, and the structured outputs
         # it samples a token of: their ``unread`` counts it)
         # dispatched calls not read yet: (outputs, row -> sequence, scoring, structured outputs
-        # it samples, a decode call's positions each row may advance at most)
+        # it samples, and for a decode call the positions each row may advance at most and its index)
         self._pending: list[tuple[object, dict[int, Sequence], Optional[tuple], list[Sequence], Optional[dict]]] = []
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -242,7 +242,8 @@ class EngineCore:
             if plan.decode:
                 mask, stepping = self._masks(plan.decode)
                 out = self.model.run_decode(plan.decode_kv_len, plan.decode_steps, mask, plan.decode_speculative)
-                self._pending.append((out, {s.slot: s for s in plan.decode}, None, stepping, plan.decode_bounds))
+                self._pending.append((out, {s.slot: s for s in plan.decode}, None, stepping,
+                                      (plan.decode_bounds, plan.decode_call)))
         except Exception as e:  # a device call failed: its outputs, and the state, are lost
             self._fail_all(f"{type(e).__name__}: {e}")
             return
@@ -286,7 +287,7 @@ class EngineCore:
             if scoring is not None:
                 self._read_scores(*scoring, columns)
             if bounds is not None:
-                self._read_decode(out, columns, bounds)
+                self._read_decode(out, columns, *bounds)
             self._read(out, columns)
             for sequence in sampled:
                 sequence.unread -= 1
@@ -436,10 +437,11 @@ class EngineCore:
                         self._error(sequence.request, sequence.sink, sequence.generated, e)
 
     @staticmethod
-    def _read_decode(out, columns: dict[int, Sequence], bounds: dict[int, int]) -> None:
-        """What a decode call did for each row, before its tokens are emitted: the positions it
-        was planned to advance at most become the tokens it generated (``Sequence.decode_steps``
-        is exact again once read), and a speculating request's ``Speculation`` grows."""
+    def _read_decode(out, columns: dict[int, Sequence], bounds: dict[int, int], call: int) -> None:
+        """What decode call ``call`` did for each row, before its tokens are emitted: the positions
+        it was planned to advance at most become the tokens it generated (``Sequence.decode_steps``
+        is exact again once read), and a speculating request's ``Speculation`` grows and whether
+        its next step may draft is recorded (``Sequence.may_draft``)."""
         generated = out.valid.sum(axis=0)
         per_step = out.valid.reshape(len(out.drafted), -1, out.valid.shape[1]) if out.drafted is not None else None
         for column, sequence in columns.items():
@@ -447,6 +449,9 @@ class EngineCore:
             sequence.decode_steps -= bounds[column] - n
             if not sequence.speculative:
                 continue
+            if out.ready is not None:
+                sequence.ready = {c: r for c, r in sequence.ready.items() if c > call - 4}  # the few it may still ask for
+                sequence.ready[call] = bool(out.ready[column])
             was = sequence.speculation
             if out.drafted is None:  # a plain call: a token a step
                 sequence.speculation = dataclasses.replace(was, steps=was.steps + n, tokens=was.tokens + n)

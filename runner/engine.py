@@ -39,7 +39,7 @@ from model.quant import quantize_params
 from model.sharding import (DEFAULT_RULES, KV_MEMORY_AXES, activation_sharding, make_mesh, memory_specs,
                             param_shardings, spec_for)
 from model.transformer import LanguageModel
-from runner.sampling import (Constraints, SampleOutput, SampleSettings, filter_logits, sample_token,
+from runner.sampling import (TOP_K, Constraints, SampleOutput, SampleSettings, filter_logits, sample_token,
                              score_positions)
 from runner.selection import BACKENDS, Selection, choose, one_cpu_device, start
 from runner.speculative import ngram_draft, verify
@@ -243,11 +243,12 @@ class ModelRunner:
             functools.partial(prefill, apply, sampler, kv_len=kv_len, score=score),
             in_shardings=(params_sh, state_sh, rows),
             out_shardings=(state_sh, step_out_sh, replicated, replicated), donate_argnums=1))
-        spec_out_sh = DecodeOutput(out_sh, replicated, replicated, replicated, replicated)
+        spec_out_sh = DecodeOutput(out_sh, replicated, replicated, replicated, replicated, replicated)
+        decode_out_sh = DecodeOutput(out_sh, replicated, replicated, ready=replicated)
         self.sample_step = _PerStatic(lambda kv_len, steps, speculative=0: jax.jit(
             functools.partial(decode, apply, sampler, kv_len=kv_len, steps=steps, speculative=speculative),
             in_shardings=(params_sh, state_sh, mask_sh),
-            out_shardings=(state_sh, spec_out_sh if speculative else step_out_sh), donate_argnums=1))
+            out_shardings=(state_sh, spec_out_sh if speculative else decode_out_sh), donate_argnums=1))
         self.no_mask = jax.device_put(self.host_mask(), mask_sh)  # a decode call's mask when no row has one
         self._mask_shardings = mask_sh
         self.fork_slot = jax.jit(functools.partial(fork, sampler),
@@ -466,7 +467,7 @@ def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, kv_len: 
         state, out = jax.lax.scan(one_speculative, state, jnp.arange(steps))
         flat = lambda a: a.reshape(steps * (speculative + 1), *a.shape[2:])  # noqa: E731: [n, k + 1, ...] -> [n (k + 1), ...]
         return state, DecodeOutput(jax.tree_util.tree_map(flat, out.sample), flat(out.valid), flat(out.ended),
-                                   out.drafted, out.accepted)
+                                   out.drafted, out.accepted, out.ready[-1])
 
     def one(state, step):
         split = jax.vmap(jax.random.split)(state.keys)  # [B, 2, 2]
@@ -486,10 +487,11 @@ def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, kv_len: 
                               unstoppable=state.unstoppable - lengths,
                               counts=state.counts.at[rows, tokens].add(1, mode="drop"),
                               history=state.history.at[rows, out.memory.step].set(tokens, mode="drop"))
-        return state, (sample, valid, ended)
+        draft_len, wait = _count_down(state, valid)
+        return state.replace(draft_len=draft_len, wait=wait), (sample, valid, ended)
 
     state, (samples, valid, ended) = jax.lax.scan(one, state, jnp.arange(steps))
-    return state, DecodeOutput(samples, valid, ended)
+    return state, DecodeOutput(samples, valid, ended, ready=_ready(state))
 
 
 PROBE_AFTER = 16  # steps a slot whose drafts all failed decodes plainly before it drafts one token again
@@ -502,13 +504,16 @@ def speculate(apply, sampler, params, state: DecodeState, kv_len: int, k: int):
     the draft's accepted prefix and the token after it, and the row's ``step`` is rolled back to
     just past what it kept (the cache beyond it is stale, never attended). A row without a draft
     samples its one token exactly as a plain step does (``sample_token``, its own key), so a
-    request that does not speculate is unchanged beside those that do. Greedy rows keep the
-    argmax at every position: plain decoding's tokens. A row's draft length grows by one after
-    a fully accepted draft and falls to what was accepted otherwise; at 0 it waits
-    ``PROBE_AFTER`` steps before it tries one token again, so failing drafts cost little.
-    Returns the state and a ``DecodeOutput`` of ``[k + 1, B]`` tokens (with drafted/accepted)."""
+    request that does not speculate is unchanged beside those that do; a step where no row has a
+    draft is a plain step (one position a row). Greedy rows keep the argmax at every position:
+    plain decoding's tokens. A row's draft length grows by one after a fully accepted draft and
+    falls to what was accepted otherwise, and to 0 when its last tokens occurred nowhere before;
+    at 0 it waits ``PROBE_AFTER`` steps (plain ones too) before it tries one token again, and
+    while no row may draft the host dispatches plain calls (``DecodeOutput.ready``), so failing
+    drafts cost little. Returns the state and a ``DecodeOutput`` of ``[k + 1, B]`` tokens (with
+    drafted/accepted)."""
     b, t = state.tokens.shape[0], k + 1
-    memory, step_B = state.memory, state.memory.step
+    step_B = state.memory.step
     split = jax.vmap(jax.random.split)(state.keys)
     keys, sample_keys = split[:, 0], split[:, 1]
     # a row at the end of the attended positions waits for a call over more of them
@@ -516,74 +521,98 @@ def speculate(apply, sampler, params, state: DecodeState, kv_len: int, k: int):
     draft_BK, found_B = ngram_draft(state.history, step_B + 1, k)
     room_B = jnp.minimum(state.remaining - 1, kv_len - step_B - 1)  # tokens it may still add after the first
     count_B = jnp.where(valid_B, jnp.clip(jnp.minimum(jnp.minimum(found_B, state.draft_len), room_B), 0, k), 0)
-    real_BK = jnp.arange(k)[None, :] < count_B[:, None]
-    tokens_BT = jnp.concatenate([state.tokens[:, None], jnp.where(real_BK, draft_BK, 0)], axis=1)
-    out = apply({"params": params}, tokens_BT, memory, jnp.where(valid_B, count_B + 1, 0), False, kv_len)
-    raw_BTV = out.logits.astype(jnp.float32)
-    # the plain step's sample for every row (the rows without a draft keep it), its rules at position 0
-    plain = sample_token(raw_BTV[:, 0], state.settings, sample_keys, sampler, state.constraints(TokenMask(
-        words=jnp.zeros((b, -(-raw_BTV.shape[-1] // 32)), jnp.uint32), on=jnp.zeros((b,), bool),
-        hold=jnp.zeros((b,), bool))))
-    settings_R = jax.tree_util.tree_map(lambda a: jnp.repeat(a, t, axis=0), state.settings)
-    flat_RV = raw_BTV.reshape(b * t, -1)
+    no_mask = TokenMask(words=jnp.zeros((b, -(-state.counts.shape[1] // 32)), jnp.uint32),
+                        on=jnp.zeros((b,), bool), hold=jnp.zeros((b,), bool))
+    top = min(TOP_K, state.counts.shape[1])
 
-    def drafted_rows():
+    def plain_step():
+        """No row has a draft: one position a row, as ``decode`` steps."""
+        out = apply({"params": params}, state.tokens[:, None], state.memory, valid_B.astype(jnp.int32), False, kv_len)
+        sample = sample_token(out.logits[:, 0], state.settings, sample_keys, sampler, state.constraints(no_mask))
+        pad = lambda a: jnp.zeros((t, *a.shape), a.dtype).at[0].set(a)  # noqa: E731: [B, ...] -> [k + 1, B, ...]
+        return (out.memory, jnp.zeros((b,), jnp.int32), jax.tree_util.tree_map(pad, sample),
+                jnp.zeros((b, t), jnp.int32).at[:, 0].set(sample.token_id))
+
+    def drafted_step():
+        real_BK = jnp.arange(k)[None, :] < count_B[:, None]
+        tokens_BT = jnp.concatenate([state.tokens[:, None], jnp.where(real_BK, draft_BK, 0)], axis=1)
+        out = apply({"params": params}, tokens_BT, state.memory, jnp.where(valid_B, count_B + 1, 0), False, kv_len)
+        raw_BTV = out.logits.astype(jnp.float32)
+        # the plain step's sample for every row (the rows without a draft keep it), its rules at position 0
+        plain = sample_token(raw_BTV[:, 0], state.settings, sample_keys, sampler, state.constraints(no_mask))
+        settings_R = jax.tree_util.tree_map(lambda a: jnp.repeat(a, t, axis=0), state.settings)
+        flat_RV = raw_BTV.reshape(b * t, -1)
         filtered = filter_logits(flat_RV, settings_R, sampler).reshape(b, t, -1)
-        return verify(jax.nn.softmax(filtered, axis=-1), draft_BK, count_B, state.settings.temperature <= 0,
-                      sample_keys, argmax_BT=jnp.argmax(raw_BTV, axis=-1))
+        accepted_B, next_B = verify(jax.nn.softmax(filtered, axis=-1), draft_BK, count_B,
+                                    state.settings.temperature <= 0, sample_keys, argmax_BT=jnp.argmax(raw_BTV, axis=-1))
+        drafting = count_B > 0
+        next_B = jnp.where(drafting, next_B, plain.token_id)
+        accepted_B = jnp.where(drafting, accepted_B, 0)
+        # the row's tokens this step: its accepted draft, then the token after it
+        j = jnp.arange(t)[None, :]
+        emitted_BT = jnp.where(j < accepted_B[:, None], jnp.pad(draft_BK, ((0, 0), (0, 1))), next_B[:, None])
 
-    accepted_B, next_B = jax.lax.cond(jnp.any(count_B > 0), drafted_rows,
-                                      lambda: (jnp.zeros((b,), jnp.int32), plain.token_id))
+        # reported log-probabilities: the model's own at each position
+        def summary():
+            top_logits, top_ids, lse, _ = sampler.logits_summary(flat_RV, top)
+            chosen = jnp.take_along_axis(flat_RV, emitted_BT.reshape(-1, 1), axis=-1)[:, 0] - lse
+            return (chosen.reshape(b, t), top_ids.astype(jnp.int32).reshape(b, t, top),
+                    jnp.exp(top_logits - lse[:, None]).reshape(b, t, top))
+
+        def none():
+            return jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t, top), jnp.int32), jnp.zeros((b, t, top), jnp.float32)
+
+        logprob_BT, top_ids_BTk, top_probs_BTk = jax.lax.cond(jnp.any(state.settings.logprobs >= 0), summary, none)
+        sample = SampleOutput(token_id=emitted_BT.T, logprob=logprob_BT.T, top_k_token_ids=top_ids_BTk.transpose(1, 0, 2),
+                              top_k_probs=top_probs_BTk.transpose(1, 0, 2))
+        return out.memory, accepted_B, sample, emitted_BT
+
+    memory, accepted_B, sample, emitted_BT = jax.lax.cond(jnp.any(count_B > 0), drafted_step, plain_step)
     drafting = count_B > 0
-    next_B = jnp.where(drafting, next_B, plain.token_id)
-    accepted_B = jnp.where(drafting, accepted_B, 0)
-    # the row's tokens this step: its accepted draft, then the token after it
+    # which of the row's k + 1 tokens it keeps: its accepted draft and the next, up to one that ends it
     j = jnp.arange(t)[None, :]
-    emitted_BT = jnp.where(j < accepted_B[:, None], jnp.pad(draft_BK, ((0, 0), (0, 1))), next_B[:, None])
     remaining_BT = state.remaining[:, None] - (j + 1)
     ends_BT = ends(emitted_BT.reshape(-1), jnp.repeat(state.stop_ids, t, axis=0), remaining_BT.reshape(-1)).reshape(b, t)
     candidate_BT = valid_B[:, None] & (j <= accepted_B[:, None])
-    first_end_B = jnp.argmax(candidate_BT & ends_BT, axis=1)
     ended_B = jnp.any(candidate_BT & ends_BT, axis=1)
+    first_end_B = jnp.argmax(candidate_BT & ends_BT, axis=1)
     kept_BT = candidate_BT & (~ended_B[:, None] | (j <= first_end_B[:, None]))
     n_B = jnp.sum(kept_BT, axis=1).astype(jnp.int32)  # tokens kept (0 for a row that did not step)
     last_B = jnp.take_along_axis(emitted_BT, jnp.maximum(n_B - 1, 0)[:, None], axis=1)[:, 0]
-    # reported log-probabilities: the model's own at each kept position (a row without a draft: the plain sample's)
-    top = plain.top_k_token_ids.shape[-1]
-
-    def summary():
-        top_logits, top_ids, lse, _ = sampler.logits_summary(flat_RV, top)
-        chosen = jnp.take_along_axis(flat_RV, emitted_BT.reshape(-1, 1), axis=-1)[:, 0] - lse
-        return (chosen.reshape(b, t), top_ids.astype(jnp.int32).reshape(b, t, top),
-                jnp.exp(top_logits - lse[:, None]).reshape(b, t, top))
-
-    def none():
-        return jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t, top), jnp.int32), jnp.zeros((b, t, top), jnp.float32)
-
-    logprob_BT, top_ids_BTk, top_probs_BTk = jax.lax.cond(jnp.any(state.settings.logprobs >= 0), summary, none)
-    sample = SampleOutput(token_id=emitted_BT.T, logprob=logprob_BT.T, top_k_token_ids=top_ids_BTk.transpose(1, 0, 2),
-                          top_k_probs=top_probs_BTk.transpose(1, 0, 2))
     # the state: the cache rolled back to the kept tokens, the history and the adaptive draft length
-    positions_BT = step_B[:, None] + 1 + j  # where each kept token goes in the history
     rows_BT = jnp.where(kept_BT, jnp.arange(b)[:, None], b)
     grow = drafting & (accepted_B == count_B)
+    unmatched = valid_B & (state.draft_len > 0) & (found_B == 0)  # nothing to follow: as good as refused
     draft_len = jnp.where(drafting, jnp.where(grow, jnp.minimum(state.draft_len + 1, state.speculative), accepted_B),
-                          state.draft_len)
-    waiting = valid_B & (draft_len == 0) & (state.speculative > 0)
-    wait = jnp.where(drafting & (draft_len == 0), PROBE_AFTER, jnp.where(waiting, state.wait - 1, state.wait))
-    draft_len = jnp.where(waiting & ~drafting & (wait <= 0), 1, draft_len)
+                          jnp.where(unmatched, 0, state.draft_len))
+    stalled = (drafting | unmatched) & (draft_len == 0)
+    draft_len, wait = _count_down(state.replace(draft_len=draft_len), valid_B & ~stalled)
+    wait = jnp.where(stalled, PROBE_AFTER, wait)
     state = state.replace(
-        memory=out.memory.replace(step=step_B + n_B),
+        memory=memory.replace(step=step_B + n_B),
         tokens=jnp.where(n_B > 0, last_B, state.tokens),
         keys=jnp.where(valid_B[:, None], keys, state.keys),
         remaining=state.remaining - n_B,
         active=state.active & ~ended_B,
         unstoppable=state.unstoppable - n_B,
         counts=state.counts.at[rows_BT, emitted_BT].add(1, mode="drop"),
-        history=state.history.at[rows_BT, positions_BT].set(emitted_BT, mode="drop"),
+        history=state.history.at[rows_BT, step_B[:, None] + 1 + j].set(emitted_BT, mode="drop"),
         draft_len=draft_len, wait=wait)
-    ended_BT = kept_BT & ends_BT
-    return state, DecodeOutput(sample, kept_BT.T, ended_BT.T, count_B, jnp.minimum(accepted_B, n_B))
+    return state, DecodeOutput(sample, kept_BT.T, (kept_BT & ends_BT).T, count_B, jnp.minimum(accepted_B, n_B),
+                               _ready(state))
+
+
+def _count_down(state: DecodeState, stepped_B):
+    """(draft_len, wait) after a step: a speculating row that waits (draft length 0) and stepped
+    is a step closer to trying a draft of one token again."""
+    waiting = stepped_B & (state.draft_len == 0) & (state.speculative > 0)
+    wait = jnp.where(waiting, state.wait - 1, state.wait)
+    return jnp.where(waiting & (wait <= 0), 1, state.draft_len), wait
+
+
+def _ready(state: DecodeState):
+    """The rows whose next step may draft: the host makes the next call speculative only if one may."""
+    return state.active & (state.speculative > 0) & (state.draft_len > 0)
 
 
 class _PerStatic:

@@ -106,6 +106,15 @@ class Sequence:
     scores: list = dataclasses.field(default_factory=list)  # its prompt's PromptLogprobs so far, if it asked
     speculative: int = 0  # the most draft tokens a step (Request.speculative, or the runner's); 0: off
     speculation: Speculation = Speculation()  # its speculative decoding so far, as read
+    # DecodeOutput.ready by decode call: after that call, its next step may draft
+    ready: dict = dataclasses.field(default_factory=dict)
+
+    def may_draft(self, call: int) -> bool:
+        """Whether decode call ``call`` should be speculative for it: as of call ``call - 2``,
+        whose outputs are read by the time ``call`` is planned whether the core reads before it
+        plans or after it dispatches (runner.core), so the choice, and the tokens, never depend
+        on the host's timing. True before it took part in any."""
+        return self.ready.get(call - 2, True)
 
     @property
     def scored(self) -> bool:
@@ -165,6 +174,7 @@ class RoundPlan:
     # each of its slots may advance at most (``Sequence.decode_steps`` is corrected when read)
     decode_speculative: int = 0
     decode_bounds: dict = dataclasses.field(default_factory=dict)
+    decode_call: int = 0  # decode calls planned before this one
 
 
 def row_buckets(batch_size: int) -> tuple[int, ...]:
@@ -200,6 +210,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.slots: list[Optional[Sequence]] = [None] * batch_size
         self._admitted: list[Sequence] = []  # in slots and still prefilling, oldest first
+        self.decode_calls = 0  # decode calls planned so far
 
     # ---- requests in and out ---------------------------------------------------------------------
     def add(self, request: Request, ids: list[int], sink) -> Sequence:
@@ -279,8 +290,10 @@ class Scheduler:
             full = not self.slots.count(None)
             alone = all(s.matcher is not None for s in plan.decode)
             steps = plan.decode_steps = 1 if rows or alone else self.decode_steps * (2 if full else 1)
-            # a speculative call when a slot speculates and none has a grammar (whose mask needs its last token)
-            if any(s.speculative for s in plan.decode) and not any(s.matcher is not None for s in plan.decode):
+            # a speculative call when a slot may draft and none has a grammar (whose mask needs its last token)
+            plan.decode_call, self.decode_calls = self.decode_calls, self.decode_calls + 1
+            if (any(s.speculative and s.may_draft(plan.decode_call) for s in plan.decode)
+                    and not any(s.matcher is not None for s in plan.decode)):
                 plan.decode_speculative = self.speculative
             for s in plan.decode:  # positions each may advance: a step's token and its draft
                 plan.decode_bounds[s.slot] = steps * (1 + (s.speculative if plan.decode_speculative else 0))

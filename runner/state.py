@@ -184,3 +184,6 @@ class DecodeOutput:
     # step's tokens in a row, the first ``accepted + 1`` of them valid (fewer where one ends).
     drafted: Optional[jax.Array] = None  # [n, B] int32
     accepted: Optional[jax.Array] = None  # [n, B] int32
+    # a decode call's (else None): the slots whose next step may draft (a speculating request
+    # whose draft length is not 0): the host makes a call speculative only while one may
+    ready: Optional[jax.Array] = None  # [B] bool

@@ -165,10 +165,13 @@ def test_sampled_speculation_is_reproducible_and_drafts(runners):
     from runner import Request
 
     _, spec = runners
-    make = lambda: [Request(REPEATING, temperature=0.7, rng_seed=3, max_len=40, request_id="r")]  # noqa: E731
-    first, second = _run(spec, make())["r"], _run(spec, make())["r"]
-    assert first[0] == second[0] and len(first[0]) == 40
-    assert first[1].speculation.drafted > 0
+    make = lambda: [Request(REPEATING, temperature=0.5, rng_seed=seed, max_len=40, ignore_eos=True, request_id=f"r{seed}")  # noqa: E731
+                    for seed in range(4)]
+    first, second = _run(spec, make()), _run(spec, make())
+    assert first.keys() == second.keys() and len(first) == 4
+    for rid in first:
+        assert first[rid][0] == second[rid][0] and len(first[rid][0]) == 40
+    assert sum(done[1].speculation.accepted for done in first.values()) > 0
 
 
 def test_failing_drafts_back_off_then_probe_again(runners):
