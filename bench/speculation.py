@@ -9,8 +9,9 @@ in f32 and q8_0 on the same dimensions.
   together once all have their first token, at each batch size, for three workloads: ``greedy``
   (the random model's greedy continuation falls into repeats: an output that repeats itself),
   ``sampled`` (temperature 1: the random model is so sure of its next token that this repeats
-  too) and ``hot`` (temperature 4: tokens spread over the vocabulary, so drafts are rarely found
-  and mostly fail: the cost of speculating where it cannot help). The three
+  too; at 4 as well) and ``uniform`` (temperature 100: tokens all but uniform over the
+  vocabulary, so a draft is almost never found: the cost of speculating where it cannot help).
+  The three
   runners take turns, request set by request set; medians over ``--repeats``.
 - The weight bytes a decode step reads (formula: the experts a batch reaches, the attention
   projections, the embedding; int8 with its scales), and the ceiling they give at the best read
@@ -237,7 +238,7 @@ def main(argv=None):
     parser.add_argument("--llama-bench")
     parser.add_argument("--gguf-f32")
     parser.add_argument("--gguf-q8")
-    parser.add_argument("--workloads", default="greedy=0,sampled=1,hot=4",
+    parser.add_argument("--workloads", default="greedy=0,sampled=1,uniform=100",
                         help="name=temperature of each bench-config workload")
     parser.add_argument("--skip-shipped", action="store_true")
     parser.add_argument("--only", default="llama,speed,shipped,error,memory",

@@ -107,10 +107,9 @@ class EngineCore:
         self._round_lock = threading.Lock()  # one thread runs rounds at a time
         self._changed = threading.Condition()  # notified after every round and command
         # outputs not read yet: (a call's output, its columns' sequences, a scoring prefill's
-        # PromptScores with each row's first prompt position or None, and the structured outputs
-        # it samples a token of: their ``unread`` counts it)
-        # dispatched calls not read yet: (outputs, row -> sequence, scoring, structured outputs
-        # it samples, and for a decode call the positions each row may advance at most and its index)
+        # PromptScores with each row's first prompt position or None, the structured outputs it
+        # samples a token of: their ``unread`` counts it, and for a decode call the positions each
+        # row may advance at most with the call's index, else None)
         self._pending: list[tuple[object, dict[int, Sequence], Optional[tuple], list[Sequence], Optional[dict]]] = []
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()

@@ -189,6 +189,7 @@ class ModelRunner:
             speculative=self._named(batch),
             draft_len=self._named(batch),
             wait=self._named(batch),
+            misses=self._named(batch),
             pool=self._pool_shardings(),
         )
 
@@ -322,6 +323,7 @@ class ModelRunner:
             speculative=jax.device_put(np.zeros((b,), np.int32), sh.speculative),
             draft_len=jax.device_put(np.zeros((b,), np.int32), sh.draft_len),
             wait=jax.device_put(np.zeros((b,), np.int32), sh.wait),
+            misses=jax.device_put(np.zeros((b,), np.int32), sh.misses),
             pool=self.new_pool() if self.new_pool is not None else None,
         )
 
@@ -494,7 +496,10 @@ def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, kv_len: 
     return state, DecodeOutput(samples, valid, ended, ready=_ready(state))
 
 
-PROBE_AFTER = 16  # steps a slot whose drafts all failed decodes plainly before it drafts one token again
+# Steps a slot whose drafting stalled (a draft refused whole, or nothing to follow) decodes plainly
+# before it drafts one token again: 16, doubled for each stall in a row up to 16 x 2^3 (a
+# request whose text never repeats costs one probe every 128 tokens at most).
+PROBE_AFTER, MAX_DOUBLINGS = 16, 3
 
 
 def speculate(apply, sampler, params, state: DecodeState, kv_len: int, k: int):
@@ -508,7 +513,8 @@ def speculate(apply, sampler, params, state: DecodeState, kv_len: int, k: int):
     draft is a plain step (one position a row). Greedy rows keep the argmax at every position:
     plain decoding's tokens. A row's draft length grows by one after a fully accepted draft and
     falls to what was accepted otherwise, and to 0 when its last tokens occurred nowhere before;
-    at 0 it waits ``PROBE_AFTER`` steps (plain ones too) before it tries one token again, and
+    at 0 it waits ``PROBE_AFTER`` steps (plain ones too; doubled for each stall in a row, up to
+    ``MAX_DOUBLINGS`` times) before it tries one token again, and
     while no row may draft the host dispatches plain calls (``DecodeOutput.ready``), so failing
     drafts cost little. Returns the state and a ``DecodeOutput`` of ``[k + 1, B]`` tokens (with
     drafted/accepted)."""
@@ -586,8 +592,9 @@ def speculate(apply, sampler, params, state: DecodeState, kv_len: int, k: int):
     draft_len = jnp.where(drafting, jnp.where(grow, jnp.minimum(state.draft_len + 1, state.speculative), accepted_B),
                           jnp.where(unmatched, 0, state.draft_len))
     stalled = (drafting | unmatched) & (draft_len == 0)
+    misses = jnp.where(stalled, state.misses + 1, jnp.where(drafting & (accepted_B > 0), 0, state.misses))
     draft_len, wait = _count_down(state.replace(draft_len=draft_len), valid_B & ~stalled)
-    wait = jnp.where(stalled, PROBE_AFTER, wait)
+    wait = jnp.where(stalled, PROBE_AFTER << jnp.minimum(misses - 1, MAX_DOUBLINGS), wait)
     state = state.replace(
         memory=memory.replace(step=step_B + n_B),
         tokens=jnp.where(n_B > 0, last_B, state.tokens),
@@ -597,7 +604,7 @@ def speculate(apply, sampler, params, state: DecodeState, kv_len: int, k: int):
         unstoppable=state.unstoppable - n_B,
         counts=state.counts.at[rows_BT, emitted_BT].add(1, mode="drop"),
         history=state.history.at[rows_BT, step_B[:, None] + 1 + j].set(emitted_BT, mode="drop"),
-        draft_len=draft_len, wait=wait)
+        draft_len=draft_len, wait=wait, misses=misses)
     return state, DecodeOutput(sample, kept_BT.T, (kept_BT & ends_BT).T, count_B, jnp.minimum(accepted_B, n_B),
                                _ready(state))
 

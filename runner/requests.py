@@ -149,14 +149,10 @@ class Request:
                 raise ValueError(f"Request.speculative must be None or an integer in [0, {MAX_SPECULATIVE}] (draft "
                                  f"tokens a step; 0 = off), got {self.speculative!r}")
             set_("speculative", int(self.speculative))
-            if self.speculative:
-                rules = {"repetition_penalty": self.repetition_penalty != 1, "frequency_penalty": self.frequency_penalty != 0,
-                         "presence_penalty": self.presence_penalty != 0, "min_tokens": self.min_tokens > 0,
-                         "json_schema": self.json_schema is not None}
-                clash = [name for name, on in rules.items() if on]
-                if clash:
-                    raise ValueError(f"Request.speculative={self.speculative} does not combine with {', '.join(clash)}: "
-                                     "their rules change with every token of a drafted run; set speculative=0")
+            clash = self.per_token_rules()
+            if self.speculative and clash:
+                raise ValueError(f"Request.speculative={self.speculative} does not combine with {', '.join(clash)}: "
+                                 "their rules change with every token of a drafted run; set speculative=0")
         set_("top_k", int(self.top_k))
         set_("max_len", int(self.max_len))
         set_("min_tokens", int(self.min_tokens))
@@ -167,6 +163,22 @@ class Request:
             set_("request_id", f"req-{next(_ids)}")
         elif not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"Request.request_id must be a non-empty string, got {self.request_id!r}")
+
+
+    def per_token_rules(self) -> list[str]:
+        """Its settings whose rule changes with every token it generates, which speculative
+        decoding does not take: a request with any speculates only if it asks (an error), never
+        by the runner's default."""
+        rules = {"repetition_penalty": self.repetition_penalty != 1, "frequency_penalty": self.frequency_penalty != 0,
+                 "presence_penalty": self.presence_penalty != 0, "min_tokens": self.min_tokens > 0,
+                 "json_schema": self.json_schema is not None}
+        return [name for name, on in rules.items() if on]
+
+    def speculates(self, default: int) -> int:
+        """The most draft tokens a step it takes on a runner whose default is ``default``."""
+        if self.speculative is not None:
+            return self.speculative
+        return 0 if self.per_token_rules() else default
 
 
 @dataclasses.dataclass(frozen=True)

@@ -215,7 +215,7 @@ class Scheduler:
     # ---- requests in and out ---------------------------------------------------------------------
     def add(self, request: Request, ids: list[int], sink) -> Sequence:
         sequence = Sequence(request, ids, sink, chunk_lengths(len(ids), self.chunk_sizes), hash(tuple(ids)))
-        sequence.speculative = self.speculative if request.speculative is None else request.speculative
+        sequence.speculative = request.speculates(self.speculative)
         self.waiting.append(sequence)
         return sequence
 

@@ -109,12 +109,14 @@ class DecodeState:
     seen: jax.Array  # [B, V] bool: the tokens of its prompt (the repetition penalty)
     # Speculative decoding (runner/speculative.py): each slot's tokens by position, prompt and
     # output (-1: unknown, e.g. a prefix read from the cache), its request's most draft tokens a
-    # step (0: off), the draft length it takes now (adapted to how its drafts fare), and while
-    # that is 0, the steps until it tries a draft of one again.
+    # step (0: off), the draft length it takes now (adapted to how its drafts fare), while that
+    # is 0 the steps until it tries a draft of one again, and how many times in a row its
+    # drafting stalled (each doubles the wait).
     history: jax.Array  # [B, S] int32
     speculative: jax.Array  # [B] int32
     draft_len: jax.Array  # [B] int32
     wait: jax.Array  # [B] int32
+    misses: jax.Array  # [B] int32
     pool: Optional[PrefixPool] = None  # the prefix cache's blocks (None: no prefix cache)
 
     def start(self, batch: PrefillBatch, first: SampleOutput, keys) -> "DecodeState":
@@ -132,6 +134,7 @@ class DecodeState:
             speculative=put(self.speculative, batch.speculative),
             draft_len=put(self.draft_len, batch.speculative),
             wait=put(self.wait, jnp.zeros_like(batch.speculative)),
+            misses=put(self.misses, jnp.zeros_like(batch.speculative)),
             tokens=put(self.tokens, token),
             settings=jax.tree_util.tree_map(put, self.settings, batch.settings),
             keys=put(self.keys, keys),

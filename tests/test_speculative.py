@@ -197,14 +197,53 @@ def test_failing_drafts_back_off_then_probe_again(runners):
         return SimpleNamespace(logits=logits, memory=memory.replace(step=memory.step + lengths))
 
     step = jax.jit(lambda state: speculate(says_zero, engine.selection.backend, None, state, 64, 4))
-    counts, kept = [], []
+    counts, kept, misses = [], [], []
     for _ in range(PROBE_AFTER + 4):
         state, out = step(state)
         counts.append(int(out.drafted[0]))
         kept.append(int(out.valid[:, 0].sum()))
+        misses.append(int(state.misses[0]))
     assert counts == [4] + [0] * PROBE_AFTER + [1, 2, 3], counts
+    assert misses == [1] * (PROBE_AFTER + 1) + [0] * 3  # one stall, forgotten once a draft is accepted
     assert kept == [1] * (PROBE_AFTER + 1) + [2, 3, 4]  # the refused draft still gives its corrected token
     assert int(state.memory.step[0]) == 10 + sum(kept) and state.history[0, 11].tolist() == 0
+
+
+def test_stalls_in_a_row_double_the_wait(runners):
+    """A row whose last tokens never occurred before (a history of distinct tokens, a model that
+    says a new one each step) stalls at every probe: it waits 16, 32, 64, 128, 128 steps."""
+    from types import SimpleNamespace
+
+    from runner.engine import MAX_DOUBLINGS, PROBE_AFTER, speculate
+
+    _, spec = runners
+    engine, v = spec.runner, spec.config.vocab_size
+    state = engine.new_state()
+    b, s = state.history.shape
+    state = state.replace(
+        history=jnp.full((b, s), -1, jnp.int32).at[0, :3].set(jnp.arange(3)), tokens=jnp.full((b,), 2, jnp.int32),
+        memory=state.memory.replace(step=jnp.array([2, 0, 0], jnp.int32)), active=jnp.array([True, False, False]),
+        remaining=jnp.full((b,), 10**6, jnp.int32), speculative=jnp.array([4, 0, 0], jnp.int32),
+        draft_len=jnp.array([4, 0, 0], jnp.int32))
+
+    def says_next(variables, tokens, memory, lengths, last_only, kv_len):  # token t -> t + 1: never a repeat
+        logits = jax.nn.one_hot((tokens + 1) % v, v) * 10.0
+        return SimpleNamespace(logits=logits, memory=memory.replace(step=memory.step + lengths))
+
+    step = jax.jit(lambda state: speculate(says_next, engine.selection.backend, None, state, s - 1, 4))
+    waits, steps = [], 0
+    while len(waits) < 5:
+        before = int(state.misses[0])
+        state, out = step(state)
+        steps += 1
+        assert int(out.valid[:, 0].sum()) == 1  # a token a step, drafting or not
+        if int(state.misses[0]) > before:  # it stalled: the wait it starts
+            waits.append(int(state.wait[0]))
+        if int(state.memory.step[0]) >= s - 2:  # the history is full: start the row over, stalls kept
+            state = state.replace(memory=state.memory.replace(step=jnp.array([2, 0, 0], jnp.int32)),
+                                  history=jnp.full((b, s), -1, jnp.int32).at[0, :3].set(jnp.arange(3)))
+    assert waits == [PROBE_AFTER << min(i, MAX_DOUBLINGS) for i in range(5)] == [16, 32, 64, 128, 128], waits
+    assert steps == 5 + sum(waits[:4])  # each wait is sat out in plain steps, then one probe
 
 
 def test_speculation_is_checked_before_anything_runs(runners):
@@ -220,6 +259,16 @@ def test_speculation_is_checked_before_anything_runs(runners):
     with pytest.raises(ValueError, match="at most 4 draft tokens"):
         spec.prepare(Request([1, 2], speculative=5, max_len=8))
     Request([1, 2], speculative=0, repetition_penalty=1.2)  # off: any rule goes
+    # the runner's default never turns it on for a request with such a rule
+    assert Request([1, 2], presence_penalty=0.5).speculates(4) == 0 and Request([1, 2]).speculates(4) == 4
+    assert Request([1, 2], speculative=2).speculates(4) == 2
+
+
+def test_a_penalised_request_on_a_speculating_runner_decodes_plainly(runners):
+    plain, spec = runners
+    make = lambda: [Request(REPEATING, temperature=0.0, max_len=30, repetition_penalty=1.3, request_id="p")]  # noqa: E731
+    want, got = _run(plain, make())["p"], _run(spec, make())["p"]
+    assert got[0] == want[0] and got[1].speculation is None
 
 
 def test_served_speculation_reports_itself_in_the_usage_and_the_metrics(runners):
