@@ -508,9 +508,12 @@ def speculate(apply, sampler, params, state: DecodeState, kv_len: int, k: int):
     the cache (``k + 1`` positions a row, the draft's own length of them real), ``verify`` keeps
     the draft's accepted prefix and the token after it, and the row's ``step`` is rolled back to
     just past what it kept (the cache beyond it is stale, never attended). A row without a draft
-    samples its one token exactly as a plain step does (``sample_token``, its own key), so a
-    request that does not speculate is unchanged beside those that do; a step where no row has a
-    draft is a plain step (one position a row). Greedy rows keep the argmax at every position:
+    samples its one token as a plain step does (``sample_token``, its own key, its rules), so a
+    request that does not speculate keeps its tokens beside those that do (up to float rounding:
+    its logits come from a forward over k + 1 positions). No ``lax.cond`` picks a one-position
+    forward where no row has a draft: on XLA:CPU the cond itself cost 1.7x a plain step of the
+    bench config (BENCHMARKS.md); the host makes such calls plain instead (``DecodeOutput.ready``).
+    Greedy rows keep the argmax at every position:
     plain decoding's tokens. A row's draft length grows by one after a fully accepted draft and
     falls to what was accepted otherwise, and to 0 when its last tokens occurred nowhere before;
     at 0 it waits ``PROBE_AFTER`` steps (plain ones too; doubled for each stall in a row, up to
@@ -530,53 +533,38 @@ def speculate(apply, sampler, params, state: DecodeState, kv_len: int, k: int):
     no_mask = TokenMask(words=jnp.zeros((b, -(-state.counts.shape[1] // 32)), jnp.uint32),
                         on=jnp.zeros((b,), bool), hold=jnp.zeros((b,), bool))
     top = min(TOP_K, state.counts.shape[1])
-
-    def plain_step():
-        """No row has a draft: one position a row, as ``decode`` steps."""
-        out = apply({"params": params}, state.tokens[:, None], state.memory, valid_B.astype(jnp.int32), False, kv_len)
-        sample = sample_token(out.logits[:, 0], state.settings, sample_keys, sampler, state.constraints(no_mask))
-        pad = lambda a: jnp.zeros((t, *a.shape), a.dtype).at[0].set(a)  # noqa: E731: [B, ...] -> [k + 1, B, ...]
-        return (out.memory, jnp.zeros((b,), jnp.int32), jax.tree_util.tree_map(pad, sample),
-                jnp.zeros((b, t), jnp.int32).at[:, 0].set(sample.token_id))
-
-    def drafted_step():
-        real_BK = jnp.arange(k)[None, :] < count_B[:, None]
-        tokens_BT = jnp.concatenate([state.tokens[:, None], jnp.where(real_BK, draft_BK, 0)], axis=1)
-        out = apply({"params": params}, tokens_BT, state.memory, jnp.where(valid_B, count_B + 1, 0), False, kv_len)
-        raw_BTV = out.logits.astype(jnp.float32)
-        # the plain step's sample for every row (the rows without a draft keep it), its rules at position 0
-        plain = sample_token(raw_BTV[:, 0], state.settings, sample_keys, sampler, state.constraints(no_mask))
-        settings_R = jax.tree_util.tree_map(lambda a: jnp.repeat(a, t, axis=0), state.settings)
-        flat_RV = raw_BTV.reshape(b * t, -1)
-        filtered = filter_logits(flat_RV, settings_R, sampler).reshape(b, t, -1)
-        accepted_B, next_B = verify(jax.nn.softmax(filtered, axis=-1), draft_BK, count_B,
-                                    state.settings.temperature <= 0, sample_keys, argmax_BT=jnp.argmax(raw_BTV, axis=-1))
-        drafting = count_B > 0
-        next_B = jnp.where(drafting, next_B, plain.token_id)
-        accepted_B = jnp.where(drafting, accepted_B, 0)
-        # the row's tokens this step: its accepted draft, then the token after it
-        j = jnp.arange(t)[None, :]
-        emitted_BT = jnp.where(j < accepted_B[:, None], jnp.pad(draft_BK, ((0, 0), (0, 1))), next_B[:, None])
-
-        # reported log-probabilities: the model's own at each position
-        def summary():
-            top_logits, top_ids, lse, _ = sampler.logits_summary(flat_RV, top)
-            chosen = jnp.take_along_axis(flat_RV, emitted_BT.reshape(-1, 1), axis=-1)[:, 0] - lse
-            return (chosen.reshape(b, t), top_ids.astype(jnp.int32).reshape(b, t, top),
-                    jnp.exp(top_logits - lse[:, None]).reshape(b, t, top))
-
-        def none():
-            return jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t, top), jnp.int32), jnp.zeros((b, t, top), jnp.float32)
-
-        logprob_BT, top_ids_BTk, top_probs_BTk = jax.lax.cond(jnp.any(state.settings.logprobs >= 0), summary, none)
-        sample = SampleOutput(token_id=emitted_BT.T, logprob=logprob_BT.T, top_k_token_ids=top_ids_BTk.transpose(1, 0, 2),
-                              top_k_probs=top_probs_BTk.transpose(1, 0, 2))
-        return out.memory, accepted_B, sample, emitted_BT
-
-    memory, accepted_B, sample, emitted_BT = jax.lax.cond(jnp.any(count_B > 0), drafted_step, plain_step)
+    real_BK = jnp.arange(k)[None, :] < count_B[:, None]
+    tokens_BT = jnp.concatenate([state.tokens[:, None], jnp.where(real_BK, draft_BK, 0)], axis=1)
+    out = apply({"params": params}, tokens_BT, state.memory, jnp.where(valid_B, count_B + 1, 0), False, kv_len)
+    raw_BTV = out.logits.astype(jnp.float32)
+    # the plain step's sample for every row (the rows without a draft keep it), its rules at position 0
+    plain = sample_token(raw_BTV[:, 0], state.settings, sample_keys, sampler, state.constraints(no_mask))
+    settings_R = jax.tree_util.tree_map(lambda a: jnp.repeat(a, t, axis=0), state.settings)
+    flat_RV = raw_BTV.reshape(b * t, -1)
+    filtered = filter_logits(flat_RV, settings_R, sampler).reshape(b, t, -1)
+    accepted_B, next_B = verify(jax.nn.softmax(filtered, axis=-1), draft_BK, count_B,
+                                state.settings.temperature <= 0, sample_keys, argmax_BT=jnp.argmax(raw_BTV, axis=-1))
     drafting = count_B > 0
-    # which of the row's k + 1 tokens it keeps: its accepted draft and the next, up to one that ends it
+    next_B = jnp.where(drafting, next_B, plain.token_id)
+    accepted_B = jnp.where(drafting, accepted_B, 0)
+    # the row's tokens this step: its accepted draft, then the token after it
     j = jnp.arange(t)[None, :]
+    emitted_BT = jnp.where(j < accepted_B[:, None], jnp.pad(draft_BK, ((0, 0), (0, 1))), next_B[:, None])
+
+    # reported log-probabilities: the model's own at each position
+    def summary():
+        top_logits, top_ids, lse, _ = sampler.logits_summary(flat_RV, top)
+        chosen = jnp.take_along_axis(flat_RV, emitted_BT.reshape(-1, 1), axis=-1)[:, 0] - lse
+        return (chosen.reshape(b, t), top_ids.astype(jnp.int32).reshape(b, t, top),
+                jnp.exp(top_logits - lse[:, None]).reshape(b, t, top))
+
+    def none():
+        return jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t, top), jnp.int32), jnp.zeros((b, t, top), jnp.float32)
+
+    logprob_BT, top_ids_BTk, top_probs_BTk = jax.lax.cond(jnp.any(state.settings.logprobs >= 0), summary, none)
+    sample = SampleOutput(token_id=emitted_BT.T, logprob=logprob_BT.T, top_k_token_ids=top_ids_BTk.transpose(1, 0, 2),
+                          top_k_probs=top_probs_BTk.transpose(1, 0, 2))
+    # which of the row's k + 1 tokens it keeps: its accepted draft and the next, up to one that ends it
     remaining_BT = state.remaining[:, None] - (j + 1)
     ends_BT = ends(emitted_BT.reshape(-1), jnp.repeat(state.stop_ids, t, axis=0), remaining_BT.reshape(-1)).reshape(b, t)
     candidate_BT = valid_B[:, None] & (j <= accepted_B[:, None])
@@ -596,7 +584,7 @@ def speculate(apply, sampler, params, state: DecodeState, kv_len: int, k: int):
     draft_len, wait = _count_down(state.replace(draft_len=draft_len), valid_B & ~stalled)
     wait = jnp.where(stalled, PROBE_AFTER << jnp.minimum(misses - 1, MAX_DOUBLINGS), wait)
     state = state.replace(
-        memory=memory.replace(step=step_B + n_B),
+        memory=out.memory.replace(step=step_B + n_B),
         tokens=jnp.where(n_B > 0, last_B, state.tokens),
         keys=jnp.where(valid_B[:, None], keys, state.keys),
         remaining=state.remaining - n_B,

@@ -294,7 +294,10 @@ class Scheduler:
             plan.decode_call, self.decode_calls = self.decode_calls, self.decode_calls + 1
             if (any(s.speculative and s.may_draft(plan.decode_call) for s in plan.decode)
                     and not any(s.matcher is not None for s in plan.decode)):
-                plan.decode_speculative = self.speculative
+                # one speculative step a call: its rows take up to k + 1 tokens anyway, and the
+                # host learns two calls late that none may draft any more (Sequence.may_draft)
+                plan.decode_speculative, steps = self.speculative, 1
+                plan.decode_steps = steps
             for s in plan.decode:  # positions each may advance: a step's token and its draft
                 plan.decode_bounds[s.slot] = steps * (1 + (s.speculative if plan.decode_speculative else 0))
             plan.decode_kv_len = smallest_at_least(

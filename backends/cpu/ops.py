@@ -234,14 +234,8 @@ def logits_summary(logits_BV, top: int):
     return call(logits_BV.astype(jnp.float32))
 
 
-@flax.struct.dataclass
-class PanelWeight:
-    """A float32 weight ``[..., K, N]`` held as column panels ``[..., ceil(N / 32), K, 32]``: a
-    plain weight (``[K, N]``, for ``panel_matmul``) or stacked experts (``[E, K, N]``, for
-    ``grouped_matmul``, which reads each expert in place)."""
-
-    panels: jax.Array
-    width: int = flax.struct.field(pytree_node=False)
+class _Panels:
+    """What a weight held in column panels says of itself: the shape and dtype of the weight."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -250,6 +244,16 @@ class PanelWeight:
     @property
     def dtype(self):
         return self.panels.dtype
+
+
+@flax.struct.dataclass
+class PanelWeight(_Panels):
+    """A float32 weight ``[..., K, N]`` held as column panels ``[..., ceil(N / 32), K, 32]``: a
+    plain weight (``[K, N]``, for ``panel_matmul``) or stacked experts (``[E, K, N]``, for
+    ``grouped_matmul``, which reads each expert in place)."""
+
+    panels: jax.Array
+    width: int = flax.struct.field(pytree_node=False)
 
     @classmethod
     def of(cls, w) -> PanelWeight:
@@ -260,7 +264,7 @@ class PanelWeight:
 
 
 @flax.struct.dataclass
-class Int8PanelWeight:
+class Int8PanelWeight(_Panels):
     """An int8 weight (``model.quant.QuantizedWeight8bit``, ``[..., K, N]`` with scales
     ``[..., G, N]``) held as int8 column panels ``[..., ceil(N / 32), K, 32]`` and float32 scales
     ``[..., ceil(N / 32), G, 32]``: a plain weight for ``int8_panel_matmul``, stacked experts for
@@ -269,14 +273,6 @@ class Int8PanelWeight:
     panels: jax.Array
     scales: jax.Array
     width: int = flax.struct.field(pytree_node=False)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (*self.panels.shape[:-3], self.panels.shape[-2], self.width)
-
-    @property
-    def dtype(self):
-        return self.panels.dtype
 
     @classmethod
     def of(cls, w) -> "Int8PanelWeight":
