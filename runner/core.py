@@ -451,6 +451,8 @@ class EngineCore:
             if out.ready is not None:
                 sequence.ready = {c: r for c, r in sequence.ready.items() if c > call - 4}  # the few it may still ask for
                 sequence.ready[call] = bool(out.ready[column])
+                sequence.accepting = {c: a for c, a in sequence.accepting.items() if c > call - 4}
+                sequence.accepting[call] = out.accepted is not None and bool(out.accepted[:, column].sum() > 0)
             was = sequence.speculation
             if out.drafted is None:  # a plain call: a token a step
                 sequence.speculation = dataclasses.replace(was, steps=was.steps + n, tokens=was.tokens + n)

@@ -192,8 +192,9 @@ class InferenceRunner:
                    for batch, kv, score in prefills]
         steps = sorted(self.scheduler.step_counts())
         decodes = [dict(kv_len=kv_len, steps=n) for kv_len in self.kv_buckets for n in steps]
-        if self.speculative:  # a call whose slots speculate, any of them beside plain ones: one step
-            decodes += [dict(kv_len=kv_len, steps=1, speculative=self.speculative) for kv_len in self.kv_buckets]
+        if self.speculative:  # a call whose slots speculate, any of them beside plain ones
+            decodes += [dict(kv_len=kv_len, steps=n, speculative=self.speculative)
+                        for kv_len in self.kv_buckets for n in steps]
         lowered += [model.sample_step.variant(**statics).lower(model.params, model.state, model.no_mask)
                     for statics in decodes]
         # a fork (in warm-up: slot 0 copied onto itself, nothing started), its logits placed like

@@ -106,8 +106,15 @@ class Sequence:
     scores: list = dataclasses.field(default_factory=list)  # its prompt's PromptLogprobs so far, if it asked
     speculative: int = 0  # the most draft tokens a step (Request.speculative, or the runner's); 0: off
     speculation: Speculation = Speculation()  # its speculative decoding so far, as read
-    # DecodeOutput.ready by decode call: after that call, its next step may draft
+    # DecodeOutput.ready by decode call: after that call, its next step may draft; and whether
+    # that call accepted any of its drafted tokens
     ready: dict = dataclasses.field(default_factory=dict)
+    accepting: dict = dataclasses.field(default_factory=dict)
+
+    def drafting_pays(self, call: int) -> bool:
+        """Whether its drafts were being accepted as of call ``call - 2`` (read by then, like
+        ``may_draft``): a call for it may then take several speculative steps."""
+        return self.accepting.get(call - 2, False)
 
     def may_draft(self, call: int) -> bool:
         """Whether decode call ``call`` should be speculative for it: as of call ``call - 2``,
@@ -294,10 +301,13 @@ class Scheduler:
             plan.decode_call, self.decode_calls = self.decode_calls, self.decode_calls + 1
             if (any(s.speculative and s.may_draft(plan.decode_call) for s in plan.decode)
                     and not any(s.matcher is not None for s in plan.decode)):
-                # one speculative step a call: its rows take up to k + 1 tokens anyway, and the
-                # host learns two calls late that none may draft any more (Sequence.may_draft)
-                plan.decode_speculative, steps = self.speculative, 1
-                plan.decode_steps = steps
+                # one speculative step a call while no row's drafts are being accepted (probing:
+                # the host learns two calls late that none may draft any more, Sequence.may_draft);
+                # the plain call's steps while one's are (its text repeats: a longer call costs the
+                # host less a token)
+                plan.decode_speculative = self.speculative
+                if not any(s.speculative and s.drafting_pays(plan.decode_call) for s in plan.decode):
+                    steps = plan.decode_steps = 1
             for s in plan.decode:  # positions each may advance: a step's token and its draft
                 plan.decode_bounds[s.slot] = steps * (1 + (s.speculative if plan.decode_speculative else 0))
             plan.decode_kv_len = smallest_at_least(
