@@ -510,17 +510,18 @@ def speculate(apply, sampler, params, state: DecodeState, kv_len: int, k: int):
     just past what it kept (the cache beyond it is stale, never attended). A row without a draft
     samples its one token as a plain step does (``sample_token``, its own key, its rules), so a
     request that does not speculate keeps its tokens beside those that do (up to float rounding:
-    its logits come from a forward over k + 1 positions). No ``lax.cond`` picks a one-position
-    forward where no row has a draft: on XLA:CPU the cond itself cost 1.7x a plain step of the
-    bench config (BENCHMARKS.md); the host makes such calls plain instead (``DecodeOutput.ready``).
-    Greedy rows keep the argmax at every position:
-    plain decoding's tokens. A row's draft length grows by one after a fully accepted draft and
-    falls to what was accepted otherwise, and to 0 when its last tokens occurred nowhere before;
-    at 0 it waits ``PROBE_AFTER`` steps (plain ones too; doubled for each stall in a row, up to
-    ``MAX_DOUBLINGS`` times) before it tries one token again, and
-    while no row may draft the host dispatches plain calls (``DecodeOutput.ready``), so failing
-    drafts cost little. Returns the state and a ``DecodeOutput`` of ``[k + 1, B]`` tokens (with
-    drafted/accepted)."""
+    its logits come from a forward over k + 1 positions). Greedy rows keep the argmax at every
+    position: plain decoding's tokens.
+
+    A row's draft length grows by one after a fully accepted draft and falls to what was accepted
+    otherwise, and to 0 when its last tokens occurred nowhere before; at 0 it waits
+    ``PROBE_AFTER`` steps (plain ones too; doubled for each stall in a row, up to
+    ``MAX_DOUBLINGS`` times) before it tries one token again. While no row may draft, the host
+    dispatches plain calls (``DecodeOutput.ready``), so failing drafts cost little. No
+    ``lax.cond`` picks a one-position forward where no row has a draft: on XLA:CPU the cond added
+    1.7 plain steps' time to a step of the bench config (BENCHMARKS.md).
+
+    Returns the state and a ``DecodeOutput`` of ``[k + 1, B]`` tokens (with drafted/accepted)."""
     b, t = state.tokens.shape[0], k + 1
     step_B = state.memory.step
     split = jax.vmap(jax.random.split)(state.keys)
