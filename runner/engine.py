@@ -464,7 +464,7 @@ def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, kv_len: 
     forward. Pure, like ``prefill``."""
     if speculative:
         def one_speculative(state, _):
-            return speculate(apply, sampler, params, state, kv_len, speculative)
+            return speculate(apply, sampler, params, state, mask, kv_len, speculative)
 
         state, out = jax.lax.scan(one_speculative, state, jnp.arange(steps))
         flat = lambda a: a.reshape(steps * (speculative + 1), *a.shape[2:])  # noqa: E731: [n, k + 1, ...] -> [n (k + 1), ...]
@@ -502,7 +502,7 @@ def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, kv_len: 
 PROBE_AFTER, MAX_DOUBLINGS = 16, 3
 
 
-def speculate(apply, sampler, params, state: DecodeState, kv_len: int, k: int):
+def speculate(apply, sampler, params, state: DecodeState, mask: TokenMask, kv_len: int, k: int):
     """One speculative step of every slot: each drafts up to ``min(k, its draft_len)`` tokens from
     its own history (``ngram_draft``), the step's token and the draft go through one forward with
     the cache (``k + 1`` positions a row, the draft's own length of them real), ``verify`` keeps
@@ -521,7 +521,9 @@ def speculate(apply, sampler, params, state: DecodeState, kv_len: int, k: int):
     ``lax.cond`` picks a one-position forward where no row has a draft: on XLA:CPU the cond added
     1.7 plain steps' time to a step of the bench config (BENCHMARKS.md).
 
-    Returns the state and a ``DecodeOutput`` of ``[k + 1, B]`` tokens (with drafted/accepted)."""
+    ``mask`` is the call's, all off: the host never makes a call with a structured output
+    speculative. Returns the state and a ``DecodeOutput`` of ``[k + 1, B]`` tokens (with
+    drafted/accepted)."""
     b, t = state.tokens.shape[0], k + 1
     step_B = state.memory.step
     split = jax.vmap(jax.random.split)(state.keys)
@@ -531,15 +533,13 @@ def speculate(apply, sampler, params, state: DecodeState, kv_len: int, k: int):
     draft_BK, found_B = ngram_draft(state.history, step_B + 1, k)
     room_B = jnp.minimum(state.remaining - 1, kv_len - step_B - 1)  # tokens it may still add after the first
     count_B = jnp.where(valid_B, jnp.clip(jnp.minimum(jnp.minimum(found_B, state.draft_len), room_B), 0, k), 0)
-    no_mask = TokenMask(words=jnp.zeros((b, -(-state.counts.shape[1] // 32)), jnp.uint32),
-                        on=jnp.zeros((b,), bool), hold=jnp.zeros((b,), bool))
     top = min(TOP_K, state.counts.shape[1])
     real_BK = jnp.arange(k)[None, :] < count_B[:, None]
     tokens_BT = jnp.concatenate([state.tokens[:, None], jnp.where(real_BK, draft_BK, 0)], axis=1)
     out = apply({"params": params}, tokens_BT, state.memory, jnp.where(valid_B, count_B + 1, 0), False, kv_len)
     raw_BTV = out.logits.astype(jnp.float32)
     # the plain step's sample for every row (the rows without a draft keep it), its rules at position 0
-    plain = sample_token(raw_BTV[:, 0], state.settings, sample_keys, sampler, state.constraints(no_mask))
+    plain = sample_token(raw_BTV[:, 0], state.settings, sample_keys, sampler, state.constraints(mask))
     settings_R = jax.tree_util.tree_map(lambda a: jnp.repeat(a, t, axis=0), state.settings)
     flat_RV = raw_BTV.reshape(b * t, -1)
     filtered = filter_logits(flat_RV, settings_R, sampler).reshape(b, t, -1)

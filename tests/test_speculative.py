@@ -196,7 +196,7 @@ def test_failing_drafts_back_off_then_probe_again(runners):
         logits = jnp.zeros((*tokens.shape, v), jnp.float32).at[..., 0].set(10.0)
         return SimpleNamespace(logits=logits, memory=memory.replace(step=memory.step + lengths))
 
-    step = jax.jit(lambda state: speculate(says_zero, engine.selection.backend, None, state, 64, 4))
+    step = jax.jit(lambda state: speculate(says_zero, engine.selection.backend, None, state, engine.no_mask, 64, 4))
     counts, kept, misses = [], [], []
     for _ in range(PROBE_AFTER + 4):
         state, out = step(state)
@@ -230,7 +230,7 @@ def test_stalls_in_a_row_double_the_wait(runners):
         logits = jax.nn.one_hot((tokens + 1) % v, v) * 10.0
         return SimpleNamespace(logits=logits, memory=memory.replace(step=memory.step + lengths))
 
-    step = jax.jit(lambda state: speculate(says_next, engine.selection.backend, None, state, s - 1, 4))
+    step = jax.jit(lambda state: speculate(says_next, engine.selection.backend, None, state, engine.no_mask, s - 1, 4))
     waits, steps = [], 0
     while len(waits) < 5:
         before = int(state.misses[0])
