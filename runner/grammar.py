@@ -50,6 +50,8 @@ import threading
 import llguidance
 import numpy as np
 
+from runner import schema as schema_checks
+
 KINDS = ("json_object", "json_schema")
 MAX_COMPILED = 64  # compiled grammars kept per tokenizer (LRU)
 # between any two JSON tokens: nothing, one space, or one line break and an indent of up to 16
@@ -57,7 +59,18 @@ MAX_COMPILED = 64  # compiled grammars kept per tokenizer (LRU)
 # model, the shipped one among them, otherwise spends its budget on newlines: measured, 3 of 3
 # schemas ended by length at 200 tokens with up to 20 whitespace characters a gap)
 _WHITESPACE = r"(\x20|\x0D?\x0A[\x20\x09]{0,16})?"
-_LIMITS = llguidance.LLParserLimits(verbose_errors=False)  # short errors: they go back to clients as 400s
+# llguidance's limits, with one changed. Its Earley parser checks the items of a new row against
+# max_items_in_row (default 2,000) only when a token is consumed, never while it computes a mask, so
+# a mask can allow a token whose row then breaks the limit: an object of 500 optional properties
+# opens a row of 4 items each after its "{", which the mask allowed and the matcher then refused
+# (measured: 497 properties served, 499 refused; anyOf of 2,000 objects, likewise). The work of one
+# mask is bounded by step_max_items (50,000 items), which the mask computation does check, so rows
+# are allowed that many items as well: what the mask allows can then be consumed, and a schema too
+# wide for a step fails while its mask is computed (a clear error, see TokenGrammar._probe), never
+# after it.
+_STEP_ITEMS = llguidance.LLParserLimits().step_max_items
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False,  # short errors: they go back to clients as 400s
+                                    max_items_in_row=_STEP_ITEMS)
 
 
 def num_mask_words(vocab_size: int) -> int:
@@ -145,7 +158,8 @@ class TokenGrammar:
             raise ValueError(f"eos_id {eos_id} is not a tokenizer piece (0..{sp.get_piece_size() - 1})")
         self.vocab_size, self.eos_id = vocab_size, eos_id
         self.num_words = num_mask_words(vocab_size)
-        wrapper = llguidance.TokenizerWrapper(_Pieces(sp, vocab_size, eos_id))
+        self.pieces = _Pieces(sp, vocab_size, eos_id)
+        wrapper = llguidance.TokenizerWrapper(self.pieces)
         self.ll_tokenizer = llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos_id)
         self._compiled: collections.OrderedDict[tuple, CompiledGrammar] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -153,8 +167,9 @@ class TokenGrammar:
     def compile_grammar(self, kind: str, schema: dict | None = None) -> CompiledGrammar:
         """The grammar of ``response_format``: "json_object" (any object) or "json_schema" (``schema``).
 
-        Raises ValueError naming the problem when the schema cannot be compiled (unknown type,
-        unsupported keyword, dangling $ref, unsatisfiable constraints, bad regex pattern).
+        Raises ValueError naming the problem when the schema cannot be compiled or served (nested
+        too deep, no finite document satisfies it, unknown type, unsupported keyword, dangling
+        $ref, unsatisfiable constraints, bad regex pattern, too wide for the engine's step).
         """
         if kind not in KINDS:
             raise ValueError(f"response_format type {kind!r} is not one of {KINDS}")
@@ -164,6 +179,7 @@ class TokenGrammar:
             schema = {"type": "object"}
         elif not isinstance(schema, dict):
             raise ValueError(f"json_schema needs a schema object, got {type(schema).__name__}")
+        schema_checks.check_depth(schema)  # before anything walks it with recursion (json.dumps, llguidance)
         try:
             # property order is kept, not sorted: it is the order the properties are generated in
             text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
@@ -184,16 +200,73 @@ class TokenGrammar:
     def _compile(self, kind: str, schema: dict) -> CompiledGrammar:
         schema = {**schema, "x-guidance": {"whitespace_pattern": _WHITESPACE}}  # llguidance's options, ours only
         # the schema alone first: its errors read without the Lark wrapper around them
-        plain = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        try:
+            plain = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        except (ValueError, TypeError, OverflowError) as e:  # e.g. an integer past 64 bits
+            raise ValueError(f"cannot compile the JSON schema: {e}") from None
         error = llguidance.LLMatcher.validate_grammar(plain, limits=_LIMITS)
         if error:
-            raise ValueError(f"cannot compile the JSON schema: {error}")
+            raise ValueError(f"cannot compile the JSON schema: {_short(error)}")
+        schema_checks.check_satisfiable(schema)  # what llguidance compiles but no document satisfies
         # the JSON grammar allows no leading whitespace; a Lark rule in front allows one space
         grammar = llguidance.LLMatcher.grammar_from_lark(f"start: /[ ]?/ json\njson: %json {json.dumps(schema)}")
         template = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=_LIMITS)
         if template.is_error():
-            raise ValueError(f"cannot compile the JSON schema: {template.get_error()}")
+            raise ValueError(f"cannot compile the JSON schema: {_short(template.get_error())}")
+        self._probe(template)
         return CompiledGrammar(kind, template, self.vocab_size, self.eos_id)
+
+    def _probe(self, template: llguidance.LLMatcher, depth: int = 2) -> None:
+        """The first masks a request will need, computed now: at the start, and after the tokens
+        that open the document (``{``, ``[``, with or without the leading space, one token for each
+        spelling), and after those that open its first element (``[{``). A schema the engine
+        cannot start (no document at all, or a first object or array wider than a step's item
+        budget) is then this request's ValueError rather than an error once it generates. Deeper
+        rows are not probed: an engine error there ends its request alone, as the schema's fault
+        (runner/core.py)."""
+        words = np.zeros(self.num_words, np.int32)
+
+        def allowed(matcher) -> list[int]:
+            matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+            if matcher.is_error():
+                raise ValueError(f"cannot serve the JSON schema: the grammar engine failed on its first tokens "
+                                 f"({_short(matcher.get_error())}){_hint(matcher.get_error())}")
+            ids = np.flatnonzero(allowed_tokens(words, self.vocab_size)).tolist()
+            if not set(ids) - {self.eos_id} and not matcher.is_accepting():
+                raise ValueError("no JSON document satisfies the schema (the grammar engine finds no token to "
+                                 "start one)")
+            return ids
+
+        def open_(matcher, levels: int) -> None:
+            openings = {}  # spelling -> one token spelling it
+            for token in allowed(matcher):
+                spelled = self.pieces.tokens[token]
+                if spelled.strip(b" ") in (b"{", b"["):
+                    openings.setdefault(spelled, token)
+            for spelled, token in openings.items():
+                inside = matcher.deep_copy()
+                if inside.try_consume_tokens([token]) != 1 or inside.is_error():
+                    raise ValueError(f"cannot serve the JSON schema: the grammar engine refused its opening "
+                                     f"{spelled.decode()!r} ({_short(inside.get_error())}){_hint(inside.get_error())}")
+                if levels > 1:
+                    open_(inside, levels - 1)
+                else:
+                    allowed(inside)
+
+        open_(template.deep_copy(), depth)
+
+
+def _hint(error: str) -> str:
+    """What to do about an engine limit, for the client reading the 400."""
+    if "Too many items" not in error:
+        return ""
+    return ("; the schema is too wide for one step of the engine: thousands of optional properties in one object, "
+            "or of anyOf branches, are (list properties in required, or split the schema)")
+
+
+def _short(error: str) -> str:
+    """llguidance's error without the parser state or backtrace it may append."""
+    return error.split("\n<", 1)[0].strip()
 
 
 _TOKEN_GRAMMARS: dict[tuple, TokenGrammar] = {}
@@ -241,7 +314,7 @@ class Matcher:
     @property
     def error(self) -> str:
         """The engine's error, if it gave up (e.g. a parser limit); empty otherwise."""
-        return self._matcher.get_error()
+        return _short(self._matcher.get_error())
 
 
 _EXECUTOR: llguidance.LLExecutor | None = None

@@ -258,3 +258,110 @@ def test_fill_mask_checks_the_array(austen):
                 np.zeros((matcher.num_words, 2), np.int32)[:, 0]):
         with pytest.raises(ValueError, match="mask"):
             matcher.fill_mask(bad)
+
+
+def nested(levels, leaf=None):
+    """``levels`` objects, each the only property ``a`` of the one around it."""
+    schema = leaf or {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_a_schema_nested_too_deep_is_refused_before_anything_walks_it(austen):
+    """Deeper than Python's own parser and json.dumps go (a RecursionError was a 500), and just past
+    the limit: a ValueError naming it; within it, compiled."""
+    from runner import schema as schema_checks
+
+    for levels in (5000, schema_checks.MAX_DEPTH // 2 + 1):
+        with pytest.raises(ValueError, match=f"nests more than {schema_checks.MAX_DEPTH} levels"):
+            austen[1].compile_grammar("json_schema", nested(levels))
+    austen[1].compile_grammar("json_schema", nested(schema_checks.MAX_DEPTH // 2 - 2))
+    assert schema_checks.nesting_depth(nested(3), 100) == 7  # 3 x (schema, properties) + the leaf
+    assert schema_checks.nesting_depth(nested(5000), 100) == 101  # the walk stops past the limit
+
+
+ENDLESS = {  # no finite document satisfies any: llguidance compiles each
+    "ref-root": {"$ref": "#"},
+    "defs-cycle": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
+    "allOf-self": {"allOf": [{"$ref": "#"}]},
+    "anyOf-self": {"anyOf": [{"$ref": "#"}]},
+    "required-self": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    "minItems-self": {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+    "prefixItems-self": {"type": "array", "prefixItems": [{"type": "integer"}, {"$ref": "#"}], "minItems": 2},
+    "pattern-self": {"type": "object", "patternProperties": {"^a": {"$ref": "#"}}, "required": ["ab"]},
+    "additional-self": {"type": "object", "additionalProperties": {"$ref": "#"}, "required": ["x"]},
+    "definitions": {"$ref": "#/definitions/a", "definitions": {"a": {"$ref": "#/definitions/a"}}},
+    "mutual-required": {"$ref": "#/$defs/a", "$defs": {
+        "a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+        "b": {"allOf": [{"$ref": "#/$defs/a"}]}}},
+}
+
+
+@pytest.mark.parametrize("name", list(ENDLESS))
+def test_a_schema_no_finite_document_satisfies_is_refused(austen, name):
+    """Such a schema answered 200 with " " (the engine masked all but EOS after the optional
+    space), or let the model open {"a": {"a": ... until its budget ran out."""
+    with pytest.raises(ValueError, match="no finite JSON document satisfies the schema: '#"):
+        austen[1].compile_grammar("json_schema", ENDLESS[name])
+
+
+RECURSIVE = {  # recursion with a way out: served, and what is written validates
+    "linked-list": {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#"}},
+                    "required": ["v"], "additionalProperties": False},
+    "tree": {"$ref": "#/$defs/t", "$defs": {"t": {"anyOf": [
+        {"type": "integer"}, {"type": "array", "items": {"$ref": "#/$defs/t"}, "minItems": 2, "maxItems": 3}]}}},
+    "nullable-self": {"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"],
+                      "additionalProperties": False},
+    "untyped-required-self": {"properties": {"a": {"$ref": "#"}}, "required": ["a"]},  # any non-object is valid
+    "mutual-with-base": {"$ref": "#/$defs/a", "$defs": {
+        "a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"],
+              "additionalProperties": False},
+        "b": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "string", "maxLength": 5}]}}},
+}
+
+
+@pytest.mark.parametrize("name", list(RECURSIVE))
+def test_recursive_schemas_with_a_way_out_are_served(austen, name):
+    check_walks(*austen, "json_schema", RECURSIVE[name], seeds=range(3))
+
+
+def optional_properties(n):
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+
+
+@pytest.mark.parametrize("schema", [optional_properties(500), optional_properties(2000),
+                                    {"anyOf": [{"type": "object", "properties": {f"q{i}": {"type": "integer"}},
+                                                "required": [f"q{i}"]} for i in range(2000)]}],
+                         ids=["500-optional", "2000-optional", "anyOf-2000-objects"])
+def test_wide_schemas_are_served_and_what_is_written_validates(austen, schema):
+    """An object of 500 optional properties was a 500 ("the JSON grammar refused token 128 that
+    its own mask allowed"): llguidance checks a row's size against max_items_in_row only when a
+    token is consumed, not when a mask is computed. Rows may now hold a step's item budget, which
+    the mask does check: what a mask allows is consumed (``walk`` asserts it at every token)."""
+    check_walks(*austen, "json_schema", schema, seeds=range(2))
+
+
+WIDE_ARRAYS = {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": i}} for i in range(2100)]}
+
+
+@pytest.mark.parametrize("schema", [WIDE_ARRAYS, {"type": "array", "items": WIDE_ARRAYS}], ids=["top", "first-item"])
+def test_a_schema_too_wide_for_a_step_is_refused_when_compiled(austen, schema):
+    """Past a step's item budget at its first rows (after "[" and "[["): refused now, not once generating."""
+    with pytest.raises(ValueError, match="cannot serve the JSON schema: .*Too many items"):
+        austen[1].compile_grammar("json_schema", schema)
+
+
+def test_a_schema_too_wide_deeper_in_fails_its_matcher_not_silently(austen):
+    """Deeper than the compile-time probe: the mask computed there is the engine's error, and then
+    only EOS is allowed, which ``accept`` refuses (the document is not complete): the engine core
+    turns that into the request's error (runner/core.py), never an end that looks like success."""
+    tokenizer, token_grammar = austen
+    schema = {"type": "object", "properties": {"a": WIDE_ARRAYS}, "required": ["a"], "additionalProperties": False}
+    matcher = grammar.Matcher(token_grammar.compile_grammar("json_schema", schema))
+    assert all(matcher.accept(t) for t in tokenizer.encode('{"a": [')) and not matcher.error
+    words = np.zeros(matcher.num_words, np.int32)
+    matcher.fill_mask(words)
+    assert "Too many items" in matcher.error and "\n" not in matcher.error
+    assert np.flatnonzero(grammar.allowed_tokens(words, token_grammar.vocab_size)).tolist() == [token_grammar.eos_id]
+    assert not matcher.accept(token_grammar.eos_id)

@@ -1,0 +1,208 @@
+"""What a JSON schema must be before the grammar engine compiles it: shallow enough to read, and
+satisfiable by some finite document.
+
+Two checks that llguidance does not make itself (``runner.grammar`` runs them first):
+
+- **Depth.** A schema nested more than ``MAX_DEPTH`` objects and arrays deep is refused before
+  anything walks it. Python's ``json`` and our own walks would raise ``RecursionError`` near 1,000
+  levels; llguidance's parser stops at 128 levels of its own document, which wraps the schema in
+  three more (measured: 100 levels of ``items`` compile, 130 do not).
+- **A way out of every recursion.** ``{"$ref": "#"}``, two definitions that refer to each other,
+  or an object whose *required* property is the object itself admit no finite document. llguidance
+  compiles them: the first kind masks every token but EOS once the optional leading space is
+  written (a request then "succeeds" with ``" "``); the second lets a model open ``{"a": {"a": ...``
+  until its token budget runs out. Both are refused here, naming the reference that never ends.
+
+The second check is the least fixpoint of "this subschema has a finite instance" over the
+schema's subschemas, ``$ref`` edges included: an and/or graph (``allOf``, required properties and
+the items an array must hold are *and*; ``anyOf``, ``oneOf`` and the allowed types are *or*)
+solved in time linear in its size. It errs only towards "satisfiable": a keyword it does not model
+(``patternProperties`` with a regex Python reads differently, ``minProperties``, constraints that
+contradict each other) counts as satisfiable and is left to llguidance, which refuses the
+contradictions it knows (``Unsatisfiable schema: ...``) when it compiles.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from typing import Any, Optional
+
+# levels of JSON objects and arrays a schema may nest (the root object is level 1)
+MAX_DEPTH = 100
+_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+
+def check_depth(schema: Any) -> None:
+    """``ValueError`` if ``schema`` nests more than ``MAX_DEPTH`` levels (found without recursion)."""
+    if nesting_depth(schema, MAX_DEPTH) > MAX_DEPTH:
+        raise ValueError(f"the schema nests more than {MAX_DEPTH} levels of objects and arrays (at most "
+                         f"{MAX_DEPTH})")
+
+
+def check_satisfiable(schema: Any) -> None:
+    """``ValueError`` if no finite document satisfies ``schema`` for want of a way out of a recursion."""
+    endless = endless_reference(schema)
+    if endless is not None:
+        raise ValueError(f"no finite JSON document satisfies the schema: {endless!r} refers back to itself "
+                         "with no way out (every document it allows would have to contain another)")
+
+
+def nesting_depth(value: Any, stop: int) -> int:
+    """Levels of dicts and lists in ``value`` (0 for a scalar), counted without recursion; the
+    count stops once it passes ``stop`` (a value nested deeper is not walked to its bottom)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, (dict, list)):
+            continue
+        deepest = max(deepest, depth)
+        if depth > stop:
+            return deepest
+        stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+class _Graph:
+    """An and/or graph: node i holds when all (AND) or any (OR) of its children hold."""
+
+    def __init__(self):
+        self.is_and: list[bool] = []
+        self.children: list[list[int]] = []
+
+    def node(self, is_and: bool, children=()) -> int:
+        self.is_and.append(is_and)
+        self.children.append(list(children))
+        return len(self.is_and) - 1
+
+    def holds(self) -> list[bool]:
+        """The least fixpoint: what holds without assuming anything on a cycle."""
+        n = len(self.is_and)
+        parents: list[list[int]] = [[] for _ in range(n)]
+        for i, kids in enumerate(self.children):
+            for k in kids:
+                parents[k].append(i)
+        missing = [len(kids) if self.is_and[i] else 1 for i, kids in enumerate(self.children)]
+        holds = [False] * n
+        ready = [i for i in range(n) if self.is_and[i] and not self.children[i]]
+        while ready:
+            i = ready.pop()
+            if holds[i]:
+                continue
+            holds[i] = True
+            for p in parents[i]:
+                missing[p] -= 1
+                if missing[p] == 0 and not holds[p]:
+                    ready.append(p)
+        return holds
+
+
+def endless_reference(schema: Any) -> Optional[str]:
+    """If the schema as a whole admits no finite instance, a ``$ref`` whose target admits none
+    (``"#"`` if none does); None when some finite document satisfies it (or it is not a schema
+    this models)."""
+    if not isinstance(schema, dict):
+        return None
+    graph = _Graph()
+    TRUE = graph.node(True)
+    FALSE = graph.node(False)
+    nodes: dict[int, int] = {}  # id(subschema dict) -> its node
+    refs: list[tuple[str, int]] = []  # (the $ref as written, its target's node)
+    pending: list[tuple[dict, int]] = []  # subschemas whose node exists but whose children are not yet made
+
+    def node_of(sub: Any) -> int:
+        if sub is True or sub == {}:
+            return TRUE
+        if sub is False:
+            return FALSE
+        if not isinstance(sub, dict):
+            return TRUE  # not a schema: llguidance will say so
+        if id(sub) not in nodes:
+            nodes[id(sub)] = graph.node(True)
+            pending.append((sub, nodes[id(sub)]))
+        return nodes[id(sub)]
+
+    def resolve(ref: str) -> Any:
+        if not ref.startswith("#"):
+            return True  # another document's: not ours to follow (llguidance refuses it)
+        target = schema
+        for part in urllib.parse.unquote(ref[1:]).split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                return True  # unresolvable here: llguidance reports a dangling $ref itself
+        return target
+
+    def own_part(sub: dict) -> int:
+        """The instance itself: a literal, or one of its allowed types with what that type must hold."""
+        if "const" in sub or "enum" in sub:
+            return TRUE  # a literal value is finite (whether it fits the rest is llguidance's check)
+        types = sub.get("type", list(_TYPES))
+        types = [types] if isinstance(types, str) else types if isinstance(types, list) else list(_TYPES)
+        options = []
+        for kind in types:
+            if kind == "object":
+                required = sub.get("required")
+                required = [name for name in required if isinstance(name, str)] if isinstance(required, list) else []
+                options.append(graph.node(True, [property_schema(sub, name) for name in required]))
+            elif kind == "array":
+                options.append(graph.node(True, needed_items(sub)))
+            else:
+                options.append(TRUE)
+        return graph.node(False, options)
+
+    def property_schema(sub: dict, name: str) -> int:
+        properties = sub.get("properties")
+        if isinstance(properties, dict) and name in properties:
+            return node_of(properties[name])
+        patterns = sub.get("patternProperties")
+        if isinstance(patterns, dict) and patterns:
+            matching = []
+            for pattern, value in patterns.items():
+                try:
+                    found = re.search(pattern, name)
+                except (re.error, TypeError):
+                    return TRUE  # a regex Python reads otherwise: not modelled
+                if found:
+                    matching.append(node_of(value))
+            if matching:
+                return graph.node(True, matching)
+        return node_of(sub.get("additionalProperties", True))
+
+    def needed_items(sub: dict) -> list[int]:
+        least = sub.get("minItems", 0)
+        if not isinstance(least, int) or isinstance(least, bool) or least <= 0:
+            return []
+        prefix = sub.get("prefixItems")
+        rest = sub.get("items", True)
+        if isinstance(rest, list):  # draft 4's tuple form
+            prefix, rest = rest, sub.get("additionalItems", True)
+        prefix = prefix if isinstance(prefix, list) else []
+        needed = [node_of(item) for item in prefix[:least]]
+        if least > len(prefix):
+            needed.append(node_of(rest))
+        return needed
+
+    root = node_of(schema)
+    while pending:
+        sub, index = pending.pop()
+        parts = [own_part(sub)]
+        ref = sub.get("$ref")
+        if isinstance(ref, str):
+            target = node_of(resolve(ref))
+            refs.append((ref, target))
+            parts.append(target)
+        for key in ("allOf",):
+            if isinstance(sub.get(key), list):
+                parts.extend(node_of(s) for s in sub[key])
+        for key in ("anyOf", "oneOf"):
+            if isinstance(sub.get(key), list):
+                parts.append(graph.node(False, [node_of(s) for s in sub[key]]))
+        graph.children[index] = parts
+    holds = graph.holds()
+    if holds[root]:
+        return None
+    return next((ref for ref, target in refs if not holds[target]), "#")
