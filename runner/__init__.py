@@ -4,7 +4,7 @@ tokenization, the request queue and the streaming ``run()`` (``InferenceRunner``
 
 from runner.core import EngineCore
 from runner.engine import ModelRunner
-from runner.requests import Request, TokenEvent
+from runner.requests import Request, RequestError, TokenEvent
 from runner.runner import Completion, InferenceRunner, RunStream, default_pad_sizes, sample_from_model
 from runner.sampling import SampleOutput, SampleSettings, sample_token
 from runner.scheduler import Scheduler
@@ -13,6 +13,7 @@ from runner.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = [
     "Completion", "DecodeState", "EngineCore", "PrefillBatch", "IncrementalDetokenizer", "InferenceRunner", "ModelRunner",
-    "Request", "RunStream", "Scheduler", "SampleOutput", "SampleSettings", "TokenEvent", "Tokenizer", "default_pad_sizes",
+    "Request", "RequestError", "RunStream", "Scheduler", "SampleOutput", "SampleSettings", "TokenEvent", "Tokenizer",
+    "default_pad_sizes",
     "sample_from_model", "sample_token",
 ]

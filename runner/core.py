@@ -43,7 +43,7 @@ from typing import Callable, Optional, Protocol
 import jax
 import numpy as np
 
-from runner.requests import PromptLogprob, Request, Speculation, TokenEvent
+from runner.requests import PromptLogprob, Request, RequestError, Speculation, TokenEvent
 from runner.scheduler import RoundPlan, Scheduler, Sequence, finish_reason, prefill_row, request_row
 from runner.tokenizer import IncrementalDetokenizer
 
@@ -486,10 +486,14 @@ class EngineCore:
         # the device applied the stop rule (runner.state.ends); here it is only named
         reason = finish_reason(token, request, self.scheduler.eos_token) if out.ended[step, column] else None
         grammar_done = False
-        if sequence.matcher is not None and reason not in ("eos", "stop"):
-            if not sequence.matcher.accept(token):  # the mask allowed it: a grammar engine's fault
-                raise RuntimeError(f"the JSON grammar refused token {token} that its own mask allowed "
-                                   f"({sequence.matcher.error or 'no error given'})")
+        if sequence.matcher is not None and reason != "stop":  # a stop token of the caller's ends it anywhere
+            # The mask allowed this token. The matcher refuses it, or EOS before the document is
+            # complete, only when the engine gave up on the schema (a limit hit in some later row
+            # than TokenGrammar._probe computes): the request's own failure, never a silent end.
+            if not sequence.matcher.accept(token):
+                why = sequence.matcher.error or f"it refused token {token}, which its own mask allowed"
+                raise RequestError("json_schema", f"the grammar engine gave up on the schema after "
+                                   f"{sequence.generated - 1} tokens: {why}")
             grammar_done = reason is None and sequence.matcher.done
             reason = "stop" if grammar_done else reason  # the document is complete: the request ends here
         stopped = reason in ("eos", "stop") and not grammar_done  # a stop token's text is not part of the output
@@ -513,9 +517,10 @@ class EngineCore:
             sequence.sink.put(event)
 
     def _error(self, request: Request, sink: Sink, index: int, error: Exception) -> None:
-        message = f"{type(error).__name__}: {error}"
+        field = error.field if isinstance(error, RequestError) else None
+        message = str(error) if field is not None else f"{type(error).__name__}: {error}"
         log.warning("request %s failed: %s", request.request_id, message)
-        self._end(sink, TokenEvent(request, index, None, "", 0.0, (), "error", error=message))
+        self._end(sink, TokenEvent(request, index, None, "", 0.0, (), "error", error=message, error_field=field))
 
     def _fail_all(self, message: str) -> None:
         log.error("a device call failed; ending every request it served: %s", message)

@@ -49,6 +49,17 @@ def _ids_of(field: str, value, allow_empty: bool) -> tuple[int, ...]:
     return tuple(int(t) for t in value)
 
 
+class RequestError(ValueError):
+    """A request failed while being served because of its own input (``field``, a ``Request``
+    field): its JSON schema took the grammar engine past a limit. Its message starts
+    ``Request.<field>``, as a validation error's does; the request's error event carries ``field``
+    (``TokenEvent.error_field``), so a server answers the client's mistake as one (HTTP 400)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"Request.{field}: {message}")
+        self.field = field
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Request:
     """What a caller asks for; validated completely when made, and immutable after (a field
@@ -224,6 +235,8 @@ class TokenEvent:
     top_tokens: tuple  # ((token id, probability), ...) its Request.logprobs most likely alternatives
     finish_reason: Optional[str] = None  # set on the request's last event: one of FINISH_REASONS
     error: Optional[str] = None  # with finish reason "error": what went wrong serving this request
+    # with an error caused by the request's own input (a RequestError): the Request field at fault
+    error_field: Optional[str] = None
     # on the first event of a request with prompt_logprobs: each prompt token, scored
     prompt_logprobs: Optional[tuple] = None
     # prompt tokens whose KV came from the prefix cache, not computed (the usage's cached_tokens)

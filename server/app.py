@@ -29,6 +29,7 @@ import json
 import logging
 import pathlib
 import re
+import tempfile
 import threading
 import time
 import uuid
@@ -53,12 +54,44 @@ from server.stops import StopMatcher
 log = logging.getLogger("grok_runner.server")
 
 CHAT_PAGE = pathlib.Path(__file__).with_name("static") / "chat.html"
+# a body up to this size is read into memory; a larger one is spooled to a temporary file while it
+# arrives and waits for its turn there (uvicorn's own buffer of a connection is this size too)
+BODY_IN_MEMORY = 64 << 10
 _SHUTDOWN = object()  # put in a sink when the server ends the requests still in flight
 
 
 class ClientGone(Exception):
     """The client closed its connection before its answer: nothing to send, one line to log."""
 
+
+
+class _Turn:
+    """A large body's turn (one of ``Server._large_bodies``): taken once its upload is complete
+    (``Server._read_body``), released once its prompts are token ids or refused, or when its
+    request ends, whichever comes first; a small body never takes one.
+
+    While a large body waits for its turn it costs a file on disk, not memory: what concurrent
+    oversized requests cost at once is what the ones holding a turn cost (each up to
+    ``max_body_bytes`` read back, parsed and normalized), however many there are. Uploads
+    themselves never wait, so a client trickling its body delays nobody's turn."""
+
+    def __init__(self, semaphore: asyncio.Semaphore):
+        self.semaphore, self.held = semaphore, False
+
+    async def take(self) -> None:
+        await self.semaphore.acquire()
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.semaphore.release()
+
+    def __enter__(self) -> "_Turn":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class _Sink:
@@ -78,8 +111,8 @@ class _Sink:
 class _Choice:
     """One choice of a response: its text so far, stop-string matching, logprobs, finish reason."""
 
-    def __init__(self, index: int, request: Request, stops: list[str]):
-        self.index, self.request = index, request
+    def __init__(self, index: int, request: Request, stops: list[str], names: dict[str, str]):
+        self.index, self.request, self.names = index, request, names  # names: see protocol.bad_request
         self.matcher = StopMatcher(stops) if stops else None
         # per kept token: id, log-probability, alternatives, offset of its text in the output (the
         # detokenizer's: a character split over byte pieces belongs to its last piece)
@@ -110,6 +143,8 @@ class _Choice:
         if event.finish_reason and self.finish_reason is None:
             if event.finish_reason == "error":
                 self.failed = True
+                if event.error_field is not None:  # its own input's fault (a schema the engine gave up on)
+                    raise bad_request(ValueError(event.error), self.names)
                 # a 500 the openai clients do not retry (they honour x-should-retry): the same
                 # request would fail the same way, and a retry would cost the server it again
                 raise APIError(500, f"the request failed while being served: {event.error}", None,
@@ -184,6 +219,9 @@ class Server:
         self._admission = threading.Lock()  # the load check and the submissions it admits, together
         self._inflight: set[_Sink] = set()  # the sinks of submitted requests whose responses are not done
         self._inflight_lock = threading.Lock()
+        # large bodies parsed and tokenized at once (see _Turn): one, so the memory they take is
+        # one body's (a 4 MB prompt: about 25 MB; a 4 MB /tokenize: its 1M ids, about 180 MB)
+        self._large_bodies = asyncio.Semaphore(1)
         self.app = self._build_app()
 
     def begin_drain(self) -> None:
@@ -287,28 +325,33 @@ class Server:
         @app.post("/v1/completions")
         async def completions(request: HTTPRequest):
             arrived = time.perf_counter()
-            body = await self._parse(request, CompletionRequest)
-            return await self._completions(body, request, arrived)
+            with _Turn(self._large_bodies) as turn:
+                body = await self._parse(request, CompletionRequest, turn)
+                return await self._completions(body, request, arrived, turn)
 
         @app.post("/v1/chat/completions")
         async def chat(request: HTTPRequest):
             arrived = time.perf_counter()
-            body = await self._parse(request, ChatCompletionRequest)
-            return await self._chat(body, request, arrived)
+            with _Turn(self._large_bodies) as turn:
+                body = await self._parse(request, ChatCompletionRequest, turn)
+                return await self._chat(body, request, arrived, turn)
 
         @app.post("/tokenize")
         async def tokenize(request: HTTPRequest):
-            body = await self._parse(request, TokenizeRequest, needs_model=False)
-            if (body.prompt is None) == (body.messages is None):
-                raise APIError(400, "tokenize needs exactly one of prompt and messages", "prompt")
-            text = body.prompt if body.prompt is not None else await asyncio.to_thread(self._render, body.messages)
-            ids = await asyncio.to_thread(self.runner.tokenizer.encode, text)
-            # JSONResponse directly: FastAPI's encoder walks a long list in Python, on the loop
-            return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.runner.config.sequence_len})
+            with _Turn(self._large_bodies) as turn:  # all of it: the ids of a long text are its largest part
+                body = await self._parse(request, TokenizeRequest, turn, needs_model=False)
+                if (body.prompt is None) == (body.messages is None):
+                    raise APIError(400, "tokenize needs exactly one of prompt and messages", "prompt")
+                text = body.prompt if body.prompt is not None else await asyncio.to_thread(self._render, body.messages)
+                ids = await asyncio.to_thread(self.runner.tokenizer.encode, text)
+                # JSONResponse directly: FastAPI's encoder walks a long list in Python, on the loop
+                return JSONResponse({"tokens": ids, "count": len(ids),
+                                     "max_model_len": self.runner.config.sequence_len})
 
         @app.post("/detokenize")
         async def detokenize(request: HTTPRequest):
-            body = await self._parse(request, DetokenizeRequest, needs_model=False)
+            with _Turn(self._large_bodies) as turn:
+                body = await self._parse(request, DetokenizeRequest, turn, needs_model=False)
             bad = [t for t in body.tokens if not 0 <= t < self.runner.config.vocab_size]
             if bad:
                 raise APIError(400, f"tokens: ids outside [0, {self.runner.config.vocab_size}): {bad[:5]}", "tokens")
@@ -328,32 +371,50 @@ class Server:
             raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", None,
                            type="authentication_error", code="invalid_api_key")
 
-    async def _read_body(self, request: HTTPRequest) -> bytes:
+    async def _read_body(self, request: HTTPRequest, turn: "_Turn") -> bytes:
         """The body, counted as it arrives: past ``max_body_bytes`` a 413, whatever the framing
-        (the rest is read and dropped by uvicorn, so the client sees the answer)."""
+        (the rest is read and dropped by uvicorn, so the client sees the answer). Past
+        ``BODY_IN_MEMORY`` bytes it goes to a temporary file as it arrives and is read back once
+        complete and ``turn`` is taken (see ``_Turn``)."""
         limit = self.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise APIError(413, f"the request body has {length} bytes, more than {limit}")
-        body = bytearray()
-        try:
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise APIError(413, f"the request body has more than {limit} bytes")
-        except ClientDisconnect:
-            client = "%s:%d" % request.client if request.client else "a client"
-            log.info("%s left during the upload of %s, after %d bytes", client, request.url.path, len(body))
-            raise ClientGone() from None
-        return bytes(body)
+        with tempfile.SpooledTemporaryFile(max_size=BODY_IN_MEMORY) as body:
+            size = 0
+            try:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise APIError(413, f"the request body has more than {limit} bytes")
+                    body.write(chunk)
+            except ClientDisconnect:
+                client = "%s:%d" % request.client if request.client else "a client"
+                log.info("%s left during the upload of %s, after %d bytes", client, request.url.path, size)
+                raise ClientGone() from None
+            if size > BODY_IN_MEMORY:
+                await turn.take()
+            body.seek(0)
+            return body.read()
 
-    async def _parse(self, request: HTTPRequest, model, needs_model: bool = True):
+    async def _parse(self, request: HTTPRequest, model, turn: "_Turn", needs_model: bool = True):
         self._authorize(request)
         media = request.headers.get("content-type", "")
         if media.split(";")[0].strip().lower() != "application/json":
             raise APIError(415, f"Content-Type must be application/json, got {media or 'none'!r}", None,
                            code="unsupported_media_type")
-        raw = await self._read_body(request)
+        raw = await self._read_body(request, turn)
+        # a large body is parsed in a worker thread: the event loop keeps its turns (a 4 MB list
+        # of ids takes 0.2-0.5 s), and its memory is the turn's
+        body = await asyncio.to_thread(self._validate, raw, model) if turn.held else self._validate(raw, model)
+        if needs_model and body.model != self.model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist (this server serves "
+                           f"`{self.model_name}`)", "model", code="model_not_found")
+        return body
+
+    @staticmethod
+    def _validate(raw: bytes, model):
+        """The body as ``model``; 400 naming the field if it is not."""
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -363,17 +424,13 @@ class Server:
         if not isinstance(data, dict):
             raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
         try:
-            body = model.model_validate(data)
+            return model.model_validate(data)
         except pydantic.ValidationError as e:
             first = e.errors()[0]
             param = ".".join(str(x) for x in first["loc"]) or None
             raise APIError(400, f"{param}: {first['msg']}", param) from None
         except RecursionError:
             raise APIError(400, "the request body is JSON nested too deeply") from None
-        if needs_model and body.model != self.model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist (this server serves "
-                           f"`{self.model_name}`)", "model", code="model_not_found")
-        return body
 
     def _check_capacity(self, choices: int, param: str) -> None:
         """Before any work: a request of more choices than slots plus waiting places can never be
@@ -417,21 +474,23 @@ class Server:
         byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
         return [int(byte.group(1), 16)] if byte else list(piece.replace("\u2581", " ").encode("utf-8"))
 
-    def _prompt_ids(self, prompt, field: str) -> list[int]:
+    def _prompt_ids(self, prompt, names: dict[str, str]) -> list[int]:
         try:
+            if not isinstance(prompt, str):  # a list of ids too long is refused before each id is checked
+                self.runner.check_prompt_length(len(prompt))
             return self.runner.prepare(Request(prompt, max_len=1))
         except ValueError as e:
-            raise bad_request(e, field) from None
+            raise bad_request(e, names) from None
 
     # ---- running choices -------------------------------------------------------------------------
-    def _submit(self, requests: list[Request], field: str, loop) -> list[_Sink]:
+    def _submit(self, requests: list[Request], names: dict[str, str], loop) -> list[_Sink]:
         """Every request checked before any is submitted; then, if the load allows all of them,
         all submitted. Runs in a worker thread (a request may hold many prompts)."""
         for r in requests:
             try:
                 self.runner.prepare(r)
             except ValueError as e:
-                raise bad_request(e, field) from None
+                raise bad_request(e, names) from None
         sinks = []
         with self._admission:  # no other request admitted between this load check and these submissions
             self._check_load(len(requests))
@@ -447,7 +506,7 @@ class Server:
                     self.runner.core.cancel(r.request_id)
                 with self._inflight_lock:
                     self._inflight.difference_update(sinks)
-                raise bad_request(e, field) from None
+                raise bad_request(e, names) from None
         return sinks
 
     async def _events(self, choice: _Choice, sink: _Sink, top: int, arrived: float):
@@ -577,14 +636,14 @@ class Server:
         return StreamingResponse(iter(lines + ["data: [DONE]\n\n"]), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    def _prepare(self, prompts: list, make_runs, field: str) -> tuple[list[list[int]], list[Request]]:
+    def _prepare(self, prompts: list, make_runs, names: dict[str, str]) -> tuple[list[list[int]], list[Request]]:
         """In a worker thread: each prompt tokenized once and checked, and the runner requests of
         every choice (made from the ids, so nothing tokenizes them again)."""
-        ids = [self._prompt_ids(p, field) for p in prompts]
+        ids = [self._prompt_ids(p, names) for p in prompts]
         return ids, [r for i in ids for r in make_runs(i)]
 
     # ---- completions ---------------------------------------------------------------------------------
-    async def _completions(self, body: CompletionRequest, http: HTTPRequest, arrived: float):
+    async def _completions(self, body: CompletionRequest, http: HTTPRequest, arrived: float, turn: "_Turn"):
         body.check()
         prompts = body.prompts()
         self._check_capacity(len(prompts) * body.n, "n" if body.n > 1 and len(prompts) == 1 else "prompt")
@@ -594,18 +653,20 @@ class Server:
         # echo with logprobs: each prompt token scored as part of its request's prefill
         echo_logprobs = body.echo and body.logprobs is not None
         scored = body.logprobs if echo_logprobs else None
+        names = body.api_names("prompt")
         ids, runs = await asyncio.to_thread(
-            self._prepare, prompts, lambda i: body.requests(i, max_tokens, "prompt", body.logprobs, scored), "prompt")
+            self._prepare, prompts, lambda i: body.requests(i, max_tokens, "prompt", body.logprobs, scored), names)
+        turn.release()  # the body is ids now
         if echo_logprobs:
             self._check_scored(ids)
         if echo_only and not echo_logprobs:
             runs = []  # nothing to compute
         loop = asyncio.get_running_loop()
-        sinks = await asyncio.to_thread(self._submit, runs, "prompt", loop)
+        sinks = await asyncio.to_thread(self._submit, runs, names, loop)
         prompt_tokens = sum(len(i) for i in ids)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        choices = ([_Choice(k, r, body.stops()) for k, r in enumerate(runs)] if runs else
-                   [_Choice(k, None, []) for k in range(len(prompts) * body.n)])
+        choices = ([_Choice(k, r, body.stops(), names) for k, r in enumerate(runs)] if runs else
+                   [_Choice(k, None, [], names) for k in range(len(prompts) * body.n)])
         top = body.logprobs or 0
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_text = [p if isinstance(p, str) else self.runner.tokenizer.decode(p) for p in prompts]
@@ -686,7 +747,7 @@ class Server:
                            f"tokens scored (--max-scored-tokens), got {total}", "echo")
 
     # ---- chat ----------------------------------------------------------------------------------------
-    async def _chat(self, body: ChatCompletionRequest, http: HTTPRequest, arrived: float):
+    async def _chat(self, body: ChatCompletionRequest, http: HTTPRequest, arrived: float, turn: "_Turn"):
         body.check()
         self._check_capacity(body.n, "n")
         prompt = await asyncio.to_thread(self._render, body.messages)
@@ -696,10 +757,12 @@ class Server:
                 1, self.runner.config.sequence_len - len(ids))
             return body.requests(ids, max_tokens, "messages", (body.top_logprobs or 0) if body.logprobs else None)
 
-        (ids,), runs = await asyncio.to_thread(self._prepare, [prompt], make_runs, "messages")
-        sinks = await asyncio.to_thread(self._submit, runs, "messages", asyncio.get_running_loop())
+        names = body.api_names("messages")
+        (ids,), runs = await asyncio.to_thread(self._prepare, [prompt], make_runs, names)
+        turn.release()  # the body is ids now
+        sinks = await asyncio.to_thread(self._submit, runs, names, asyncio.get_running_loop())
         self.metrics.prompt_tokens.inc(len(ids))
-        choices = [_Choice(k, r, body.stops()) for k, r in enumerate(runs)]
+        choices = [_Choice(k, r, body.stops(), names) for k, r in enumerate(runs)]
         top = body.top_logprobs or 0
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

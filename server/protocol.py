@@ -54,13 +54,15 @@ _API_NAMES = {"prompt": "prompt", "temperature": "temperature", "nucleus_p": "to
 MAX_STOPS = 4
 
 
-def bad_request(error: ValueError, prompt_field: str = "prompt") -> APIError:
-    """A ``Request``/runner ``ValueError`` as a 400 naming the API's field."""
+def bad_request(error: ValueError, names: Optional[dict[str, str]] = None) -> APIError:
+    """A ``Request``/runner ``ValueError`` as a 400 naming the API's field: the one this body sent
+    (``names``: a ``Request`` field -> the body's name for it, e.g. ``json_schema`` ->
+    ``guided_json``), else the API's usual name."""
     message = str(error)
     match = re.match(r"Request\.(\w+)", message)
-    param = _API_NAMES.get(match.group(1)) if match else None
-    if param == "prompt":
-        param = prompt_field
+    param = None
+    if match:
+        param = (names or {}).get(match.group(1)) or _API_NAMES.get(match.group(1))
     if param is not None and match:
         message = param + message[match.end():]
     return APIError(400, message, param)
@@ -151,6 +153,15 @@ class _Body(_Tolerant):
     def stops(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def schema_field(self) -> str:
+        """The field this body gave its structured output in (``response_format`` if none)."""
+        return next((name for name in ("response_format", "guided_json", "structured_outputs")
+                     if getattr(self, name) not in (None, {"type": "text"})), "response_format")
+
+    def api_names(self, prompt_field: str) -> dict[str, str]:
+        """``Request`` fields -> the names this body sent them under (for ``bad_request``)."""
+        return {"prompt": prompt_field, "json_schema": self.schema_field()}
+
     def json_schema(self) -> Optional[dict]:
         """The schema a structured output must satisfy (``{"type": "object"}`` for any object), from
         ``response_format`` or vLLM's ``guided_json`` / ``structured_outputs``; None: free text."""
@@ -210,7 +221,7 @@ class _Body(_Tolerant):
                                    skip_special_tokens=self.skip_special_tokens, json_schema=self.json_schema(),
                                    speculative=self.speculative))
             except ValueError as e:
-                raise bad_request(e, prompt_field) from None
+                raise bad_request(e, self.api_names(prompt_field)) from None
         return out
 
 
@@ -221,6 +232,8 @@ def _schema(value, field: str) -> dict:
             value = json.loads(value)
         except ValueError as e:
             raise APIError(400, f"{field}: the schema is not JSON: {e}", field.split(".")[0]) from None
+        except RecursionError:  # Python's parser gives up near 1,000 levels; the runner takes 100
+            raise APIError(400, f"{field}: the schema is JSON nested too deeply", field.split(".")[0]) from None
     if not isinstance(value, dict):
         raise APIError(400, f"{field}: a JSON schema must be an object, got {type(value).__name__}",
                        field.split(".")[0])

@@ -414,3 +414,22 @@ def test_copies_of_a_scored_prompt_share_its_scores_and_prefill(tight, plans):
     assert len(prefilled) == 1 and sum(len(p.forks) for p in seen) == 3
     scores = [events[r.request_id][0].prompt_logprobs for r in requests]
     assert scores[0] == scores[1] == scores[2] and len(scores[0]) == 20 and scores[3] is None
+
+
+def test_an_oversized_prompt_is_refused_without_being_encoded(runner, monkeypatch):
+    """A text that cannot fit is refused from its normalized length (a 4 MB prompt cost 177 MB of
+    ids before): the message says how many tokens it has at least. A long text that normalizes
+    short (control characters the normalizer drops) is not refused; id lists are counted."""
+    encode = runner.tokenizer.encode
+    encoded = []
+    monkeypatch.setattr(runner.tokenizer, "encode", lambda text: encoded.append(len(text)) or encode(text))
+    with pytest.raises(ValueError, match=r"Request.prompt has at least \d+ tokens \(its 400000 characters, at most "
+                                         r"\d+ a token\), more than sequence_len \(64\) leaves room for: at most 63"):
+        runner.prepare(Request("the " * 100_000, max_len=1))
+    assert encoded == []
+    short = "the house " + "\x01" * 5000
+    assert runner.tokenizer.sp.normalize(short).strip("\u2581") == "the\u2581house", "the normalizer drops them"
+    assert runner.prepare(Request(short, max_len=1)) == encode(short) and encoded == [len(short)]
+    with pytest.raises(ValueError, match=r"Request.prompt has 64 tokens, more than sequence_len \(64\)"):
+        runner.prepare(Request([5] * 64, max_len=1))
+    assert len(runner.prepare(Request([5] * 63, max_len=1))) == 63

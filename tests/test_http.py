@@ -154,6 +154,40 @@ def test_a_200_mb_chunked_upload_is_refused_without_the_memory(serve):
     assert httpx.get(serve.url + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("prompt", ["text", "ids"])
+def test_forty_concurrent_oversized_prompts_take_bounded_memory(serve, prompt):
+    """40 concurrent 4 MB prompts, each a 400 naming the prompt: the peak RSS grows by less than
+    256 MB, whatever their number (each text was tokenized whole before: 1.23 GB). A text is
+    refused from its normalized length, never encoded; a large body waits for its turn on disk."""
+    value = "the " * 999_000 if prompt == "text" else [1234] * 650_000
+    raw = json.dumps({"model": "austen-moe", "prompt": value, "max_tokens": 4}).encode()
+    assert len(raw) > 3 << 20
+    rss = serve.status("VmRSS")
+    try:
+        with open(f"/proc/{serve.proc.pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    peak_before = serve.status("VmHWM")
+    answers = []
+
+    def send():
+        r = httpx.post(serve.url + "/v1/completions", content=raw, timeout=120,
+                       headers={**AUTH, "Content-Type": "application/json"})
+        answers.append((r.status_code, r.json()["error"]))
+
+    senders = [threading.Thread(target=send) for _ in range(40)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(timeout=150)
+    assert len(answers) == 40 and {status for status, _ in answers} == {400}, answers[:2]
+    assert all(e["param"] == "prompt" and "more than sequence_len (256)" in e["message"] for _, e in answers)
+    growth_mb = (serve.status("VmHWM") - min(rss, peak_before)) / 1024
+    assert growth_mb < 256, f"peak RSS grew by {growth_mb:.0f} MB for 40 concurrent 4 MB prompts"
+    assert httpx.get(serve.url + "/health").status_code == 200
+
+
 def test_idle_half_sent_and_stalled_connections_are_closed_and_logged(serve):
     socks = []
     try:

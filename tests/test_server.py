@@ -2,6 +2,7 @@
 raw SSE read with httpx, many concurrent clients, disconnects, bad fields, auth and overload."""
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -865,3 +866,80 @@ def test_continuous_usage_stats_report_usage_in_every_chunk(served):
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     counts = [e["usage"]["completion_tokens"] for e in events]
     assert counts == sorted(counts) and counts[-1] == 6 and all("usage" in e for e in events)
+
+
+def test_hostile_schemas_are_400s_naming_the_field_as_sent(served):
+    """Issue 35's schemas, in each spelling a client may use: a schema nested 2,000 deep (a 500 from
+    a RecursionError), $ref cycles (a 200 with " " that no JSON parser takes), a bad schema (named
+    response_format whatever the client sent)."""
+    _, _, live = served
+    deep = '{"type":"object","properties":{"a":' * 2000 + '{"type":"integer"}' + "}}" * 2000
+    deep_object = {"type": "integer"}
+    for _ in range(450):  # 900 levels: Python parses the body, the runner refuses the schema
+        deep_object = {"type": "object", "properties": {"a": deep_object}}
+
+    def spellings(schema):
+        return [({"guided_json": schema}, "guided_json"),
+                ({"structured_outputs": {"json": schema}}, "structured_outputs"),
+                ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+                 "response_format")]
+
+    cases = [(fields, param, "nested too deeply") for fields, param in spellings(deep)[:2]]
+    cases += [(fields, param, "nests more than 100 levels") for fields, param in spellings(deep_object)]
+    cycles = [{"$ref": "#"}, {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
+              {"allOf": [{"$ref": "#"}]}, {"anyOf": [{"$ref": "#"}]}]
+    cases += [(fields, param, "no finite JSON document") for s in cycles for fields, param in spellings(s)]
+    cases += [(fields, param, "Invalid type: nonsense") for fields, param in spellings({"type": "nonsense"})]
+    for fields, param, message in cases:
+        r = _completion(live, prompt="The record, as JSON:", max_tokens=40, temperature=0, **fields)
+        assert r.status_code == 400, (param, message, r.text[:300])
+        error = r.json()["error"]
+        assert error["param"] == param and message in error["message"] and error["message"].startswith(param), error
+        assert error["type"] == "invalid_request_error"
+
+
+def test_an_object_of_many_optional_properties_is_served(served):
+    """500 optional properties were a 500 ("the JSON grammar refused token 128 that its own mask
+    allowed"); 2,000 too. Now served: what ends the document validates."""
+    import jsonschema
+
+    runner, _, live = served
+    for n in (500, 2000):
+        schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)},
+                  "additionalProperties": False}
+        r = _completion(live, prompt="The record, as JSON:", max_tokens=40, temperature=0, guided_json=schema)
+        assert r.status_code == 200, r.text[:300]
+        choice = r.json()["choices"][0]
+        want = runner.complete(Request("The record, as JSON:", temperature=0.0, max_len=40, json_schema=schema))
+        assert choice["text"] == want.text and choice["finish_reason"] == want.finish_reason
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["text"]), schema)
+
+
+def test_a_schema_the_engine_gives_up_on_while_generating_fails_its_request_alone(served):
+    """A schema too wide deeper than the compile-time probe reaches: the engine fails on the mask
+    after '{"a": [', allowing only EOS. That was a quiet "stop" with half a document; now it is
+    the request's own error, a 400 naming the schema's field (an error chunk when streamed), and
+    a neighbour decoding beside it gets its solo tokens."""
+    runner, _, live = served
+    wide = {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": i}} for i in range(2100)]}
+    schema = {"type": "object", "properties": {"a": wide}, "required": ["a"], "additionalProperties": False}
+    neighbour = {"prompt": "the house", "max_tokens": 24, "temperature": 0}
+    want = _completion(live, **neighbour).json()["choices"][0]["text"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        beside = pool.submit(_completion, live, **neighbour)
+        r = _completion(live, max_tokens=30, temperature=0, guided_json=schema)
+        assert beside.result().json()["choices"][0]["text"] == want
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "guided_json" and error["type"] == "invalid_request_error", error
+    assert error["message"].startswith("guided_json: the grammar engine gave up on the schema after ") and \
+        "Too many items" in error["message"], error
+    with httpx.stream("POST", live.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "the house", "max_tokens": 30, "temperature": 0, "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}) as s:
+        assert s.status_code == 200
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    errors = [e["error"] for e in events if "error" in e]
+    assert len(errors) == 1 and errors[0]["param"] == "response_format", events[-2:]
+    assert all(c["finish_reason"] != "stop" for e in events for c in e.get("choices", []))
