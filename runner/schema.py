@@ -195,9 +195,8 @@ def endless_reference(schema: Any) -> Optional[str]:
             target = node_of(resolve(ref))
             refs.append((ref, target))
             parts.append(target)
-        for key in ("allOf",):
-            if isinstance(sub.get(key), list):
-                parts.extend(node_of(s) for s in sub[key])
+        if isinstance(sub.get("allOf"), list):
+            parts.extend(node_of(s) for s in sub["allOf"])
         for key in ("anyOf", "oneOf"):
             if isinstance(sub.get(key), list):
                 parts.append(graph.node(False, [node_of(s) for s in sub[key]]))

@@ -352,10 +352,11 @@ class Server:
         async def detokenize(request: HTTPRequest):
             with _Turn(self._large_bodies) as turn:
                 body = await self._parse(request, DetokenizeRequest, turn, needs_model=False)
-            bad = [t for t in body.tokens if not 0 <= t < self.runner.config.vocab_size]
-            if bad:
-                raise APIError(400, f"tokens: ids outside [0, {self.runner.config.vocab_size}): {bad[:5]}", "tokens")
-            return {"prompt": self.runner.tokenizer.decode(body.tokens)}
+                bad = [t for t in body.tokens if not 0 <= t < self.runner.config.vocab_size]
+                if bad:
+                    raise APIError(400, f"tokens: ids outside [0, {self.runner.config.vocab_size}): {bad[:5]}",
+                                   "tokens")
+                return {"prompt": self.runner.tokenizer.decode(body.tokens)}
 
         return app
 

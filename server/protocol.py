@@ -153,10 +153,14 @@ class _Body(_Tolerant):
     def stops(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def _schema_fields(self) -> list[str]:
+        """The fields this body gives a structured output in (one, unless the body is refused)."""
+        return [name for name in ("response_format", "guided_json", "structured_outputs")
+                if getattr(self, name) not in (None, {"type": "text"})]
+
     def schema_field(self) -> str:
         """The field this body gave its structured output in (``response_format`` if none)."""
-        return next((name for name in ("response_format", "guided_json", "structured_outputs")
-                     if getattr(self, name) not in (None, {"type": "text"})), "response_format")
+        return next(iter(self._schema_fields()), "response_format")
 
     def api_names(self, prompt_field: str) -> dict[str, str]:
         """``Request`` fields -> the names this body sent them under (for ``bad_request``)."""
@@ -165,8 +169,7 @@ class _Body(_Tolerant):
     def json_schema(self) -> Optional[dict]:
         """The schema a structured output must satisfy (``{"type": "object"}`` for any object), from
         ``response_format`` or vLLM's ``guided_json`` / ``structured_outputs``; None: free text."""
-        given = [name for name in ("response_format", "guided_json", "structured_outputs")
-                 if getattr(self, name) not in (None, {"type": "text"})]
+        given = self._schema_fields()
         if len(given) > 1:
             raise APIError(400, f"{given[1]}: give one of response_format, guided_json and structured_outputs, "
                            f"got {given}", given[1])
