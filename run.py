@@ -66,8 +66,10 @@ def parse_args(argv):
     p.add_argument("--pad-sizes", help="comma-separated prompt buckets (default: powers of two from 16 up to the "
                    "round's token budget, 512, or sequence_len if shorter)")
     p.add_argument("--mesh", default=None, help="device mesh DATA,MODEL (default 1,1)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation dtype "
-                   "(default: the checkpoint's; float32 is used on CPU, where bf16 matmuls are slow)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation dtype (default: the checkpoint's "
+                   "on accelerators, float32 on CPU). bfloat16 is Grok-1's own: bf16 weights and activations, "
+                   "softmax, norms and the router in float32; on CPU the bf16 kernels read half of float32's "
+                   "bytes and multiply on AVX512-BF16 where the CPU has it")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8"], default=None,
                    help="what the KV cache holds (default: the activation dtype); int8 keeps one float32 scale a "
                    "token and KV head, 3.8x the tokens of float32 in the same memory at key_size 64, at the "
@@ -246,6 +248,7 @@ def serve(argv) -> int:
                    "token and KV head, 3.8x the tokens of float32 in the same memory at key_size 64, at the "
                    "error BENCHMARKS.md measures")
     p.add_argument("--quantize", choices=["int8"], default=None, help="see run.py --help")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="see run.py --help")
     p.add_argument("--speculative", type=bounded(int, 0, 16, "an integer in [0, 16]"), default=0,
                    help="the most draft tokens a speculative step verifies, and the default of every request "
                    "(the request's \"speculative\" field may ask for fewer, or 0); 0 = off (default); see run.py --help")
@@ -290,7 +293,7 @@ def serve(argv) -> int:
     try:
         runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, model=args.config,
                                                     backend=args.backend, kv_dtype=args.kv_dtype,
-                                                    quantize=args.quantize),
+                                                    quantize=args.quantize, dtype=args.dtype),
                                  tokenizer_path=args.tokenizer, batch_size=args.batch_size,
                                  local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
                                  score_prompts=args.max_scored_tokens != 0, decode_steps=args.decode_steps,

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
-from model.memory import KV_DTYPES, KVMemory, kv_zeros, new_memory
+from model.memory import KV_DTYPES, KVMemory, kv_zeros, new_memory, set_at
 from model.quant import quantize_params
 from model.sharding import (DEFAULT_RULES, KV_MEMORY_AXES, activation_sharding, make_mesh, memory_specs,
                             param_shardings, spec_for)
@@ -62,8 +62,9 @@ class ModelRunner:
     bs_per_device: float = 1.0
     mesh: Mesh | None = None
     rules: dict | None = None
-    # Activation dtype override. From a checkpoint on CPU the default is float32: XLA:CPU runs
-    # bf16/int8 matmuls 20-40x slower than fp32 (DESIGN.md).
+    # Activation dtype override: "float32" or "bfloat16" (Grok-1's own: softmax, norms, RoPE and
+    # the router stay float32). From a checkpoint on CPU the default is float32; with "bfloat16"
+    # the float weights are restored in bf16 and the CPU backend's bf16 kernels read them.
     dtype: str | None = None
     # int8 weights -> float at load. Default: with the CPU backend on one CPU device, int8 weights
     # stay int8 and the int8 panel kernels read them where the calibration takes them (the rest
@@ -159,8 +160,10 @@ class ModelRunner:
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
         kernels_may_read_int8 = self.backend != "xla" and one_cpu_device(self.mesh)
         dequantize = on_cpu and not kernels_may_read_int8 if self.dequantize is None else self.dequantize
+        # On CPU the float weights are held in the activations' dtype: float32 unless bf16 was asked for.
+        held = (jnp.bfloat16 if self.dtype == "bfloat16" else np.float32) if on_cpu else None
         restored = restore(self.checkpoint_path, mesh=self.mesh, config=self.model, rules=self.rules,
-                           dequantize=dequantize, dtype=np.float32 if on_cpu else None)
+                           dequantize=dequantize, dtype=held)
         self.model, self.params = restored.config, restored.params
         if self.dtype is None and on_cpu:
             self.dtype = "float32"
@@ -358,7 +361,7 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
         scores, logits = None, out.logits[:, -1]
 
     def put(full, new):
-        return full.at[slots, :, :kv_len].set(new.astype(full.dtype), mode="drop")
+        return set_at(full, (slots, slice(None), slice(None, kv_len)), new)
 
     k, v = jax.tree_util.tree_map(put, (memory.k, memory.v), (out.memory.k, out.memory.v))
     memory = KVMemory(k=k, v=v, step=memory.step.at[slots].set(out.memory.step, mode="drop"))
@@ -406,8 +409,7 @@ def save_prefix(pool: PrefixPool, batch: PrefillBatch, rows: KVMemory, kv_len: i
     def one(pool_NKbH, rows_PKSH):
         p, k, _, h = rows_PKSH.shape
         blocks = rows_PKSH.reshape(p, k, nb, pool.block_size, h).transpose(0, 2, 1, 3, 4)
-        return pool_NKbH.at[to].set(blocks.reshape(p * nb, k, pool.block_size, h).astype(pool_NKbH.dtype),
-                                    mode="drop")
+        return set_at(pool_NKbH, to, blocks.reshape(p * nb, k, pool.block_size, h))
 
     k, v = jax.tree_util.tree_map(one, (pool.k, pool.v), (rows.k, rows.v))
     return PrefixPool(k=k, v=v)

@@ -51,8 +51,8 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
 
     - ``"xla"``: pure JAX, on any mesh.
     - ``"cpu"``: one CPU device and every C++ kernel; ``ValueError`` saying why where that cannot
-      run (another device or several, no compiler, activations or experts not float32, heads the
-      attention kernel does not take).
+      run (another device or several, no compiler, activations neither float32 nor bf16, heads
+      the attention kernel does not take).
     - ``"auto"``: the CPU backend on one CPU device, each kernel taken only where it was measured
       faster than XLA's op on this CPU at this model's shapes (``backends.cpu.calibration``, cached
       beside the kernel library); XLA elsewhere.
@@ -78,23 +78,24 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
     for op in OPERATIONS:
         if reason:
             needs[op].append(reason)
+    dtype = jnp.dtype(c.fprop_dtype).name
     for op in calibration.WEIGHT_OPERATIONS:
-        if jnp.dtype(c.fprop_dtype) != jnp.float32:
-            needs[op].append(f"float32 activations (they are {c.fprop_dtype})")
+        if dtype not in ("float32", "bfloat16"):
+            needs[op].append(f"float32 or bf16 activations (they are {dtype})")
     int8_weights = set()
     for op, pattern, what in (("moe", MOE_WEIGHT, "experts"), ("projections", PROJECTION, "attention projections")):
-        held = weight_dtypes(params, pattern)
-        if held - {"float32", "int8"}:
-            needs[op].append(f"float32 or int8 {what}, and these are {', '.join(sorted(held))}")
+        held = weight_dtypes(params, pattern)  # float weights are held in the activations' dtype (prepare)
+        if held - {"float32", "bfloat16", "int8"}:
+            needs[op].append(f"float or int8 {what}, and these are {', '.join(sorted(held))}")
         elif held == {"int8"}:
-            int8_weights.add(op)  # timed on the int8 kernel against XLA's dot by the float32 copy
-        elif len(held) > 1:
-            needs[op].append(f"{what} all float32 or all int8, and these are {', '.join(sorted(held))}")
+            int8_weights.add(op)  # timed on the int8 kernel against the float kernel on the dequantised copy
+        elif "int8" in held:
+            needs[op].append(f"{what} all float or all int8, and these are {', '.join(sorted(held))}")
     if not decode_attention_fits(c.num_q_heads, c.num_kv_heads, c.key_size):
         needs["attention"].append(f"head sizes up to {MAX_HEAD} and at most {MAX_GROUP} query heads a KV head")
     kv_dtype = jnp.dtype(c.dtype if kv_dtype is None else kv_dtype).name
-    if kv_dtype not in ("float32", "int8"):
-        needs["attention"].append(f"a float32 or int8 KV cache (it is {kv_dtype})")
+    if kv_dtype not in ("float32", "bfloat16", "int8"):
+        needs["attention"].append(f"a float32, bf16 or int8 KV cache (it is {kv_dtype})")
     if requested == "cpu":
         blocked = {op: why for op, why in needs.items() if why}
         if blocked:
@@ -102,14 +103,16 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
                 f"{op} needs {', '.join(why)}" for op, why in blocked.items()))
         choices = {op: calibration.Choice(op, True, reason="backend='cpu'", int8=op in int8_weights)
                    for op in OPERATIONS}
-        return Selection(CPU(on=frozenset(OPERATIONS), int8=frozenset(int8_weights)), "backend='cpu'", choices)
+        return Selection(CPU(on=frozenset(OPERATIONS), int8=frozenset(int8_weights), dtype=dtype), "backend='cpu'",
+                         choices)
     choices = {op: calibration.Choice(op, False, reason="it needs " + "; ".join(why)) for op, why in needs.items() if why}
     to_measure = [op for op in OPERATIONS if op not in choices]
     if to_measure:
         tokens = calibration_tokens or min(256, c.sequence_len)
         choices.update(calibration.calibrate(to_measure, c, batch, tokens, tokens, kv_dtype=kv_dtype,
-                                             int8_weights=frozenset(int8_weights)))
+                                             int8_weights=frozenset(int8_weights), dtype=dtype))
     choices = {op: choices[op] for op in OPERATIONS}
     on = frozenset(op for op, choice in choices.items() if choice.kernel)
     int8 = frozenset(op for op, choice in choices.items() if choice.int8)
-    return Selection(CPU(on=on, int8=int8), "auto: one CPU device; each kernel where measured faster here", choices)
+    return Selection(CPU(on=on, int8=int8, dtype=dtype), "auto: one CPU device; each kernel where measured faster here",
+                     choices)

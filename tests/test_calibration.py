@@ -46,15 +46,15 @@ def test_an_int8_kernel_is_taken_only_where_it_beats_xla_and_the_float_kernel():
     # a bandwidth-bound decode: int8 reads a quarter of the bytes; prefill's multiplications tie
     chosen = calibration.decide_int8("moe", [m("decode", 3.0), m("prefill", 0.97)], [m("decode", 2.0), m("prefill", 1.5)])
     assert chosen.kernel and chosen.int8
-    assert chosen.describe() == ("moe: int8 kernel (int8 kernel speed / float32 kernel's: decode 8 rows 3.00x, prefill "
+    assert chosen.describe() == ("moe: int8 kernel (int8 kernel speed / float kernel's: decode 8 rows 3.00x, prefill "
                                  "8 rows 0.97x; kernel speed / XLA's: decode 8 rows 2.00x, prefill 8 rows 1.50x)")
     # float weights in cache: the float kernel wins, and the weights are dequantised for it
     chosen = calibration.decide_int8("moe", [m("decode", 0.5), m("prefill", 1.0)], [m("decode", 7.0), m("prefill", 3.0)])
-    assert chosen.kernel and not chosen.int8 and chosen.describe().startswith("moe: kernel on the float32 copy")
+    assert chosen.kernel and not chosen.int8 and chosen.describe().startswith("moe: kernel on the dequantised copy")
     # the int8 kernel beats the float one, but not XLA's op at one shape (0.8 x 1.2 < 1)
     chosen = calibration.decide_int8("moe", [m("decode", 3.0), m("prefill", 1.2)], [m("decode", 2.0), m("prefill", 0.8)])
     assert not chosen.kernel and not chosen.int8
-    assert chosen.describe().startswith("moe: XLA's dot on the float32 copy")
+    assert chosen.describe().startswith("moe: XLA's dot on the dequantised copy")
 
 
 @needs_kernel

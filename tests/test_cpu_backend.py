@@ -15,7 +15,7 @@ from backends.cpu import CPU, OPERATIONS, build, ops as panel
 from backends.cpu.layout import ExpertWeights, prepare
 from model import TINY, forward, init_params
 from model.quant import QuantizedWeight8bit, dequantize, quantize
-from model.sharding import make_mesh
+from model.sharding import make_mesh, path_str
 from runner import ModelRunner
 from tests.test_quant import quantize_params
 
@@ -303,11 +303,11 @@ def test_backend_xla_keeps_the_canonical_parameters():
 
 def test_auto_keeps_xla_ops_where_a_kernel_does_not_apply():
     params = init_params(TINY, jax.random.PRNGKey(0))
-    bf16 = ModelRunner(model=dataclasses.replace(TINY, fprop_dtype="bfloat16"), params=params, calibration_tokens=8,
-                       backend="auto")
-    bf16.initialize()
-    assert isinstance(_moe_weight(bf16), ExpertWeights)  # the CPU backend's split layout, no panels
-    assert "float32 activations (they are bfloat16)" in bf16.backend_report()
+    wide = dataclasses.replace(TINY, key_size=160)
+    heads = ModelRunner(model=wide, params=init_params(wide, jax.random.PRNGKey(0)), calibration_tokens=8,
+                        backend="auto")
+    heads.initialize()
+    assert "attention: XLA (it needs head sizes up to 128" in heads.backend_report()
     mesh = make_mesh((1, 2), jax.devices()[:2])
     sharded = ModelRunner(model=TINY, params=params, mesh=mesh, backend="auto")
     sharded.initialize()
@@ -316,11 +316,11 @@ def test_auto_keeps_xla_ops_where_a_kernel_does_not_apply():
     assert not isinstance(_moe_weight(sharded), ExpertWeights)
     with pytest.raises(ValueError, match="backend='cpu' runs on one CPU device; the mesh has 2 cpu devices"):
         ModelRunner(model=TINY, params=params, mesh=mesh, backend="cpu").initialize()
-    # experts neither float32 nor int8 are not packed: asking for every kernel is an error, not a no-op
-    bf16_experts = jax.tree_util.tree_map_with_path(
-        lambda path, w: w.astype(jnp.bfloat16) if "moe" in str(path) else w, params)
-    with pytest.raises(ValueError, match="moe needs float32 or int8 experts, and these are bfloat16"):
-        ModelRunner(model=TINY, params=bf16_experts, backend="cpu").initialize()
+    # experts partly int8 are not packed: asking for every kernel is an error, not a no-op
+    mixed = jax.tree_util.tree_map_with_path(
+        lambda path, w: quantize(w) if "moe/linear/" in path_str(path) else w, params)
+    with pytest.raises(ValueError, match="moe needs experts all float or all int8, and these are float32, int8"):
+        ModelRunner(model=TINY, params=mixed, backend="cpu").initialize()
     with pytest.raises(ValueError, match="backend must be one of"):
         ModelRunner(model=TINY, params=params, backend="gpu").initialize()
 
@@ -410,8 +410,10 @@ def test_decode_attention_reads_an_int8_cache_as_its_dequantised_values(b, n, kv
 
 def test_decode_attention_rejects_what_it_cannot_do():
     q, k, mask = jnp.zeros((2, 8, 64)), jnp.zeros((2, 2, 16, 64)), jnp.ones((2, 16), bool)
-    with pytest.raises(ValueError, match="float32 only"):
+    with pytest.raises(ValueError, match="float32 queries and float32 or bf16 caches"):
         panel.decode_attention(q.astype(jnp.bfloat16), k, k, mask, 1.0, 30.0)
+    with pytest.raises(ValueError, match="float32 queries and float32 or bf16 caches"):
+        panel.decode_attention(q, k, k.astype(jnp.bfloat16), mask, 1.0, 30.0)
     with pytest.raises(ValueError, match="do not match"):
         panel.decode_attention(q, k, k, jnp.ones((2, 17), bool), 1.0, 30.0)
     with pytest.raises(ValueError, match="do not match"):

@@ -1,6 +1,6 @@
 // One decode step of Grok-1's grouped-query attention read straight from the KV cache, as an
-// XLA FFI custom call (CPU, float32 queries; float32 caches, or int8 ones with a float32 scale a
-// position and KV head).
+// XLA FFI custom call (CPU, float32 queries; float32 or bf16 caches, or int8 ones with a float32
+// scale a position and KV head).
 //
 //   q [B, N, H], caches k, v [B, K, S_max, H], mask [B, S] (S <= S_max)  ->  out [B, N, H]
 //   out[b, n] = sum_s p[s] v[b, n / G, s]  over the keys s < S that mask[b] allows, with
@@ -63,6 +63,25 @@ inline vec load_lanes(const int8_t* p) {
   std::memcpy(&v, &x, sizeof v);
   return v;
 }
+// A bf16 row: each value's 16 bits are the high half of its float32 (exact), a zero-extend and shift.
+inline vec load_lanes(const uint16_t* p) {
+#if defined(__AVX512F__)
+  __m512 x = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#elif defined(__AVX2__)
+  __m256 x = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#else
+  float x[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    uint32_t bits = uint32_t(p[l]) << 16;
+    std::memcpy(&x[l], &bits, sizeof bits);
+  }
+#endif
+  vec v;
+  std::memcpy(&v, &x, sizeof v);
+  return v;
+}
 template <typename T>
 inline vec load_lanes_part(const T* p, int64_t count) {
   T part[kLanes] = {};
@@ -81,7 +100,8 @@ inline float sum_lanes(vec v) {
 #endif
 }
 
-// T: the caches' element type, float or int8_t (then k_scale, v_scale [B, K, S_max] are read).
+// T: the caches' element type: float, uint16_t (bf16) or int8_t (then k_scale, v_scale [B, K, S_max]
+// are read).
 template <typename T>
 struct Attention {
   const float* q;
@@ -92,7 +112,7 @@ struct Attention {
   int64_t kv_heads, group, s_max, s, h;
   float scale, cap;
 
-  static constexpr bool kScaled = !std::is_same<T, float>::value;
+  static constexpr bool kScaled = std::is_same<T, int8_t>::value;
 
   // Row b, KV head j: its G query heads against keys 0 .. S-1 that the mask allows. HV = ceil(H / kLanes)
   // vectors a head (a compile-time count, so one head's accumulators stay in registers).
@@ -265,6 +285,18 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   return ffi::Error::Success();
 }
 
+// A bf16 cache: k, v [B, K, S_max, H] bf16, widened in registers (half of float32's bytes read).
+ffi::Error DecodeAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::BF16> k,
+                               ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::PRED> mask, float scale, float cap,
+                               ffi::ResultBuffer<ffi::F32> out) {
+  if (auto error = CheckShapes(q, k, v, mask, out); error.failure()) return error;
+  auto qd = q.dimensions(), kd = k.dimensions();
+  Attention<uint16_t> a{q.typed_data(), k.typed_data(), v.typed_data(), nullptr, nullptr, mask.typed_data(),
+                        out->typed_data(), kd[1], qd[1] / kd[1], kd[2], mask.dimensions()[1], qd[2], scale, cap};
+  Run(pool, a, qd[0]);
+  return ffi::Error::Success();
+}
+
 // The int8 cache: values k, v [B, K, S_max, H] int8 and their scales [B, K, S_max, 1] float32.
 ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
                                ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> v_scale,
@@ -304,6 +336,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(decode_attention_int8, DecodeAttentionInt8,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(decode_attention_bf16, DecodeAttentionBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("cap")

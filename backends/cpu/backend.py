@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from backends.cpu import layout, ops
+from backends.cpu import build, layout, ops
 from backends.xla import XLA, attend, loop_grouped_matmul
 
 OPERATIONS = ("moe", "projections", "unembed", "attention", "sampling_cut", "logits_summary")
@@ -17,17 +17,21 @@ INT8_OPERATIONS = ("moe", "projections")  # those with a kernel for int8 weights
 class CPU(XLA):
     """XLA's operations on one CPU device, except those in ``on``, which run on the C++ kernels
     (``backends/cpu/ops.py``): ``moe`` (the grouped panel matmul), ``projections`` and ``unembed``
-    (the panel matmul), ``attention`` (a decode step read in place from float32 or int8 caches),
+    (the panel matmul), ``attention`` (a decode step read in place from float32, bf16 or int8 caches),
     ``sampling_cut`` and ``logits_summary``. ``prepare`` splits the experts per expert (or packs
     them in panels with ``moe``), and packs the weights of the other panel operations; the panel
-    operations read float32 or int8 weights (int8 widened in registers, never copied to float),
-    and an int8 weight no kernel takes is dequantised to float32 once, there."""
+    operations read float32, bf16 or int8 weights (int8 widened in registers, never copied to
+    float), float weights held in the activations' ``dtype``, and an int8 weight no kernel takes
+    is dequantised to that dtype once, there."""
 
     on: frozenset = frozenset()
     grouped: str = "loop"
     # Operations of ``on`` ("moe", "projections") whose int8 weights the kernel reads as int8; an
     # int8 weight of any other operation is dequantised to float32 by ``prepare``.
     int8: frozenset = frozenset()
+    # The activations' dtype: what ``prepare`` holds float weights in (the weight kernels take
+    # float32 and bfloat16; ``runner.selection`` leaves them out for any other).
+    dtype: str = "float32"
     name = "cpu"
 
     def __post_init__(self):
@@ -42,16 +46,24 @@ class CPU(XLA):
         kernels = ", ".join(op for op in OPERATIONS if op in self.on) or "none"
         experts = "in panels" if "moe" in self.on else "split per expert"
         int8 = ", ".join(op for op in INT8_OPERATIONS if op in self.int8)
-        return f"cpu (on the C++ kernels: {kernels}; experts {experts}{'; int8 weights read as int8: ' + int8 if int8 else ''})"
+        bf16 = ""
+        if jnp.dtype(self.dtype) == jnp.bfloat16 and self.on & {"moe", "projections", "unembed"}:
+            how = "AVX512-BF16 dot" if build.bf16_dot() else "widened to float32 (no AVX512-BF16)"
+            bf16 = f"; bf16 weights: {how}"
+        return (f"cpu (on the C++ kernels: {kernels}; experts {experts}"
+                f"{'; int8 weights read as int8: ' + int8 if int8 else ''}{bf16})")
 
     def prepare(self, params):
-        return layout.prepare(params, frozenset(self.on), frozenset(self.int8))
+        return layout.prepare(params, frozenset(self.on), frozenset(self.int8), self.dtype)
 
     def matmul(self, x, w, dtype):
         if isinstance(w, ops.PanelWeight):
             return ops.panel_matmul(x.astype(jnp.float32), w.panels, w.width).astype(dtype)
+        if isinstance(w, ops.Bf16PanelWeight):
+            return ops.bf16_panel_matmul(x.astype(jnp.float32), w.panels, w.width).astype(dtype)
         if isinstance(w, ops.Int8PanelWeight):
-            return ops.int8_panel_matmul(x.astype(jnp.float32), w.panels, w.scales, w.width).astype(dtype)
+            return ops.int8_panel_matmul(x.astype(jnp.float32), w.panels, w.scales, w.width,
+                                         bf16=dtype == jnp.bfloat16).astype(dtype)
         return super().matmul(x, w, dtype)
 
     def embed(self, table, tokens, dtype):
@@ -67,9 +79,11 @@ class CPU(XLA):
     def grouped_matmul(self, x_RK, w, sizes_E, dtype):
         if isinstance(w, ops.PanelWeight):
             return ops.grouped_matmul(x_RK.astype(jnp.float32), w.panels, sizes_E, w.width).astype(dtype)
+        if isinstance(w, ops.Bf16PanelWeight):
+            return ops.grouped_bf16_matmul(x_RK.astype(jnp.float32), w.panels, sizes_E, w.width).astype(dtype)
         if isinstance(w, ops.Int8PanelWeight):
-            return ops.grouped_int8_matmul(x_RK.astype(jnp.float32), w.panels, w.scales, sizes_E,
-                                           w.width).astype(dtype)
+            return ops.grouped_int8_matmul(x_RK.astype(jnp.float32), w.panels, w.scales, sizes_E, w.width,
+                                           bf16=dtype == jnp.bfloat16).astype(dtype)
         if isinstance(w, layout.ExpertWeights):
             return loop_grouped_matmul(x_RK.astype(dtype), lambda x, e: w.matmul(x, e, dtype), sizes_E,
                                        w.shape[-1], dtype)
@@ -81,7 +95,7 @@ class CPU(XLA):
             # a decode step read in place from the caches (XLA copies the attended positions
             # first, and dequantises an int8 cache into a float copy)
             q_BNH = q_BTNH[:, 0].astype(jnp.float32)
-            if k_BKSH.dtype == jnp.float32:
+            if k_BKSH.dtype in (jnp.float32, jnp.bfloat16):
                 out_BNH = ops.decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BTS[:, 0], scale, cap)
                 return out_BNH[:, None].astype(q_BTNH.dtype)
             if k_BKSH.dtype == jnp.int8:  # an int8 record (model.memory.QuantizedKV)

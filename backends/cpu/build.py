@@ -35,8 +35,11 @@ MATMUL = "grok_runner_panel_matmul"
 GROUPED = "grok_runner_grouped_panel_matmul"
 INT8_MATMUL = "grok_runner_int8_panel_matmul"
 INT8_GROUPED = "grok_runner_grouped_int8_panel_matmul"
+BF16_MATMUL = "grok_runner_bf16_panel_matmul"
+BF16_GROUPED = "grok_runner_grouped_bf16_panel_matmul"
 ATTENTION = "grok_runner_decode_attention"
 ATTENTION_INT8 = "grok_runner_decode_attention_int8"
+ATTENTION_BF16 = "grok_runner_decode_attention_bf16"
 FILTER = "grok_runner_sampling_threshold"
 SUMMARY = "grok_runner_logits_summary"
 
@@ -105,13 +108,27 @@ def _build_once() -> str | None:
         library = ctypes.cdll.LoadLibrary(str(lib))
         handlers = {MATMUL: library.panel_matmul, GROUPED: library.grouped_panel_matmul,
                     INT8_MATMUL: library.int8_panel_matmul, INT8_GROUPED: library.grouped_int8_panel_matmul,
+                    BF16_MATMUL: library.bf16_panel_matmul, BF16_GROUPED: library.grouped_bf16_panel_matmul,
                     ATTENTION: library.decode_attention, ATTENTION_INT8: library.decode_attention_int8,
+                    ATTENTION_BF16: library.decode_attention_bf16,
                     FILTER: library.sampling_threshold, SUMMARY: library.logits_summary}
     except (OSError, AttributeError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash, bad library
         return f"building or loading {lib} failed: {e}"
     for name, handler in handlers.items():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
+    global _bf16_dot
+    _bf16_dot = bool(library.grok_runner_bf16_dot())
     return None
+
+
+_bf16_dot = False
+
+
+def bf16_dot() -> bool:
+    """Whether the bf16 kernels multiply on AVX512-BF16's dot instruction (vdpbf16ps: the target
+    has it) rather than widening bf16 to float32 in registers (building the kernels on the first
+    call; False where they cannot be built)."""
+    return available() and _bf16_dot
 
 
 def _compile(cxx: str, lib: Path) -> str | None:
@@ -142,8 +159,6 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     return _build()
-
-
 
 
 def require() -> None:

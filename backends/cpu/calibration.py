@@ -52,7 +52,7 @@ from model.quant import dequantize, quantize
 
 log = logging.getLogger("grok_runner")
 
-WEIGHT_OPERATIONS = OPERATIONS[:4]  # those that need float32 activations
+WEIGHT_OPERATIONS = OPERATIONS[:4]  # those that take the activations' dtype (float32 or bf16)
 XLA_WAY = CPU()
 BY_LAYOUT = CPU(on=frozenset({"projections", "unembed"}))  # the panel kernel on panels, XLA's dot on arrays
 MAX_BYTES = 256 << 20  # synthetic weights per operation and layout: beyond the caches, within memory
@@ -80,7 +80,7 @@ class Measurement:
 class Choice:
     """Whether ``operation`` runs on its kernel, and why: measured, forced, or not possible. For
     an operation whose weights are int8, ``int8`` says whether the kernel reads them as int8
-    (``int8_measurements``: the int8 kernel against the float32 kernel on the float32 copy); where it does
+    (``int8_measurements``: the int8 kernel against the float kernel on the dequantised copy); where it does
     not, they are dequantised at load and ``kernel`` is the float32 kernel's choice."""
 
     operation: str
@@ -93,11 +93,11 @@ class Choice:
     def describe(self) -> str:
         way = "int8 kernel" if self.int8 else "kernel" if self.kernel else "XLA"
         if self.int8_measurements and not self.int8:
-            way += " on the float32 copy" if self.kernel else "'s dot on the float32 copy"
+            way += " on the dequantised copy" if self.kernel else "'s dot on the dequantised copy"
         if not self.measurements and not self.int8_measurements:
             return f"{self.operation}: {way} ({self.reason})"
         parts = []
-        for name, ms in (("int8 kernel speed / float32 kernel's", self.int8_measurements),
+        for name, ms in (("int8 kernel speed / float kernel's", self.int8_measurements),
                          ("kernel speed / XLA's", self.measurements)):
             if ms:
                 parts.append(f"{name}: " + ", ".join(f"{m.phase} {m.rows} rows {m.speedup:.2f}x" for m in ms))
@@ -142,7 +142,7 @@ def _chain(one):
     def run(x, layers, passes):
         def chain(_, x):
             for weights in layers:
-                x = x + 1e-6 * one(x, weights)
+                x = x + (1e-6 * one(x, weights)).astype(x.dtype)
             return x
         return jax.lax.fori_loop(0, passes, chain, x)
     return run
@@ -157,26 +157,27 @@ def _normal(rng, shape, scale=0.02):
     return x
 
 
-def _held(w, int8: bool):
-    """A synthetic float32 weight as the model holds it: itself, or int8 per output channel."""
-    return quantize(w, scale_dtype=jnp.bfloat16) if int8 else w
+def _held(w, int8: bool, dtype=jnp.float32):
+    """A synthetic float32 weight as the model holds it: in ``dtype``, or int8 per output channel."""
+    return quantize(w, scale_dtype=jnp.bfloat16) if int8 else jnp.asarray(w, dtype)
 
 
-# With int8 weights (``int8``), the operation is timed on the int8 kernel against the float32
+# With int8 weights (``int8``), the operation is timed on the int8 kernel against the float
 # kernel on their dequantised copy, taking turns: the two kernels compared directly, at the same
-# moment of the host's bandwidth (``decide_int8`` also has the float32 kernel against XLA's op).
-def _moe(config: ModelConfig, tokens: int, rng, int8: bool = False):
+# moment of the host's bandwidth (``decide_int8`` also has the float kernel against XLA's op).
+# ``dtype`` is the activations' (float32 or bfloat16), and the float weights' on both ways.
+def _moe(config: ModelConfig, tokens: int, rng, int8: bool = False, dtype=jnp.float32):
     c = config
     d, f, e, top = c.emb_size, c.ffn_size, c.num_experts, c.num_selected_experts
     layers = _layers(c, 3 * e * d * f * 4)
     xla_layers, kernel_layers = [], []
     other = frozenset({"moe"}) if int8 else frozenset()  # the float32 kernel, or XLA's op
     for i in range(layers):
-        stacked = {"moe": {"linear": {"w": _held(_normal(rng, (e, d, f)), int8)},
-                           "linear_v": {"w": _held(_normal(rng, (e, d, f)), int8)},
-                           "linear_1": {"w": _held(_normal(rng, (e, f, d)), int8)}}}
+        stacked = {"moe": {"linear": {"w": _held(_normal(rng, (e, d, f)), int8, dtype)},
+                           "linear_v": {"w": _held(_normal(rng, (e, d, f)), int8, dtype)},
+                           "linear_1": {"w": _held(_normal(rng, (e, f, d)), int8, dtype)}}}
         for out, panels, kept in ((xla_layers, other, frozenset()), (kernel_layers, frozenset({"moe"}), other)):
-            held = layout.prepare(stacked, panels, kept)["moe"]
+            held = layout.prepare(stacked, panels, kept, dtype)["moe"]
             out.append(tuple(held[name]["w"] for name in ("linear", "linear_v", "linear_1")))
     # uniform routing, as an untrained router spreads tokens
     idx_Mk = jnp.asarray(np.stack([rng.permutation(e)[:top] for _ in range(tokens)]), jnp.int32)
@@ -184,52 +185,54 @@ def _moe(config: ModelConfig, tokens: int, rng, int8: bool = False):
     kernel = CPU(on=frozenset({"moe"}))
 
     def way(backend):
-        return lambda x, w: moe(x, gates_Mk, idx_Mk, w, backend, jnp.float32)
+        return lambda x, w: moe(x, gates_Mk.astype(dtype), idx_Mk, w, backend, dtype)
 
-    return _normal(rng, (tokens, d), 1.0), (way(kernel), kernel_layers), (way(kernel if int8 else XLA_WAY), xla_layers)
+    x = jnp.asarray(_normal(rng, (tokens, d), 1.0), dtype)
+    return x, (way(kernel), kernel_layers), (way(kernel if int8 else XLA_WAY), xla_layers)
 
 
-def _projections(config: ModelConfig, tokens: int, rng, int8: bool = False):
+def _projections(config: ModelConfig, tokens: int, rng, int8: bool = False, dtype=jnp.float32):
     c = config
     d, nh, kh = c.emb_size, c.num_q_heads * c.key_size, c.num_kv_heads * c.key_size
     shapes = ((d, nh), (d, kh), (d, kh), (nh, d))
     layers = _layers(c, sum(a * b for a, b in shapes) * 4)
-    held = [tuple(_held(jnp.asarray(_normal(rng, s)), int8) for s in shapes) for _ in range(layers)]
-    if int8:  # against the float32 kernel on the dequantised copy
+    held = [tuple(_held(jnp.asarray(_normal(rng, s)), int8, dtype) for s in shapes) for _ in range(layers)]
+    panels = layout.PanelWeight if dtype == jnp.float32 else layout.Bf16PanelWeight
+    if int8:  # against the float kernel on the dequantised copy
         kernel_layers = [tuple(layout.Int8PanelWeight.of(w) for w in ws) for ws in held]
-        xla_layers = [tuple(layout.PanelWeight.of(np.asarray(dequantize(w, jnp.float32))) for w in ws) for ws in held]
+        xla_layers = [tuple(panels.of(np.asarray(dequantize(w, dtype))) for w in ws) for ws in held]
     else:
         xla_layers = held
-        kernel_layers = [tuple(layout.PanelWeight.of(np.asarray(w)) for w in ws) for ws in xla_layers]
+        kernel_layers = [tuple(panels.of(np.asarray(w)) for w in ws) for ws in xla_layers]
 
     def one(x_BTD, ws):
         wq, wk, wv, wo = ws
-        q = BY_LAYOUT.matmul(x_BTD, wq, jnp.float32)
-        kv = BY_LAYOUT.matmul(x_BTD, wk, jnp.float32) + BY_LAYOUT.matmul(x_BTD, wv, jnp.float32)
-        return BY_LAYOUT.matmul(q, wo, jnp.float32) + jnp.sum(kv, axis=-1, keepdims=True)
+        q = BY_LAYOUT.matmul(x_BTD, wq, dtype)
+        kv = BY_LAYOUT.matmul(x_BTD, wk, dtype) + BY_LAYOUT.matmul(x_BTD, wv, dtype)
+        return BY_LAYOUT.matmul(q, wo, dtype) + jnp.sum(kv, axis=-1, keepdims=True)
 
-    return _normal(rng, (1, tokens, d), 1.0), (one, kernel_layers), (one, xla_layers)
+    return jnp.asarray(_normal(rng, (1, tokens, d), 1.0), dtype), (one, kernel_layers), (one, xla_layers)
 
 
-def _unembed(config: ModelConfig, rows: int, rng):
-    table = _normal(rng, (config.vocab_size, config.emb_size))
-    x = _normal(rng, (1, rows, config.emb_size), 1.0)
+def _unembed(config: ModelConfig, rows: int, rng, dtype=jnp.float32):
+    table = jnp.asarray(_normal(rng, (config.vocab_size, config.emb_size)), dtype)
+    x = jnp.asarray(_normal(rng, (1, rows, config.emb_size), 1.0), dtype)
 
     def one(h, t):
-        return jnp.sum(BY_LAYOUT.unembed(h, t, jnp.float32), axis=-1, keepdims=True)
+        return jnp.sum(BY_LAYOUT.unembed(h, t, dtype), axis=-1, keepdims=True)
 
-    return x, (one, [layout.PanelTable.of(table)]), (one, [jnp.asarray(table)])
+    return x, (one, [layout.PanelTable.of(table)]), (one, [table])
 
 
-def _attention(config: ModelConfig, batch: int, kv_len: int, rng, kv_dtype: str = "float32"):
+def _attention(config: ModelConfig, batch: int, kv_len: int, rng, kv_dtype: str = "float32", dtype=jnp.float32):
     c = config
     n, k, h = c.num_q_heads, c.num_kv_heads, c.key_size
     # Caches of the model's full length, attended over their first kv_len positions, as a decode
     # step does: XLA copies those positions out of each cache first (and dequantises an int8
     # one), the kernel reads them in place.
     length = c.sequence_len
-    layers = _layers(c, 2 * batch * k * length * h * (1 if kv_dtype == "int8" else 4))
-    cache = (lambda x: quantize_kv(jnp.asarray(x))) if kv_dtype == "int8" else jnp.asarray  # noqa: E731
+    layers = _layers(c, 2 * batch * k * length * h * jnp.dtype(kv_dtype).itemsize)
+    cache = (lambda x: quantize_kv(jnp.asarray(x))) if kv_dtype == "int8" else lambda x: jnp.asarray(x, kv_dtype)  # noqa: E731
     caches = [tuple(cache(_normal(rng, (batch, k, length, h), 1.0)) for _ in range(2)) for _ in range(layers)]
     mask_BTS = (jnp.arange(kv_len)[None, :] < jnp.full((batch, 1), kv_len - kv_len // 4))[:, None]  # never full
 
@@ -237,7 +240,8 @@ def _attention(config: ModelConfig, batch: int, kv_len: int, rng, kv_dtype: str 
         return lambda q_BNH, kv: backend.attention(q_BNH[:, None], kv[0], kv[1], mask_BTS, c.attn_output_multiplier,
                                                    c.attn_logit_cap)[:, 0]
 
-    return _normal(rng, (batch, n, h), 1.0), (way(CPU(on=frozenset({"attention"}))), caches), (way(XLA_WAY), caches)
+    q = jnp.asarray(_normal(rng, (batch, n, h), 1.0), dtype)
+    return q, (way(CPU(on=frozenset({"attention"}))), caches), (way(XLA_WAY), caches)
 
 
 def _sampling(config: ModelConfig, batch: int, rng, cut: bool):
@@ -258,28 +262,31 @@ def _sampling(config: ModelConfig, batch: int, rng, cut: bool):
 
 
 def _shapes(operation: str, config: ModelConfig, batch: int, prefill_tokens: int, kv_len: int, kv_dtype: str,
-            int8: bool = False):
+            int8: bool = False, dtype: str = "float32"):
     """(phase, rows, builder) for each shape ``operation`` is called with."""
+    dtype = jnp.dtype(dtype)
     if operation in ("moe", "projections"):
         build = _moe if operation == "moe" else _projections
-        return [("decode", batch, lambda rng: build(config, batch, rng, int8)),
-                ("prefill", prefill_tokens, lambda rng: build(config, prefill_tokens, rng, int8))]
+        return [("decode", batch, lambda rng: build(config, batch, rng, int8, dtype)),
+                ("prefill", prefill_tokens, lambda rng: build(config, prefill_tokens, rng, int8, dtype))]
     if operation == "unembed":
-        return [("decode", batch, lambda rng: _unembed(config, batch, rng))]
+        return [("decode", batch, lambda rng: _unembed(config, batch, rng, dtype))]
     if operation == "attention":
-        return [("decode", batch, lambda rng: _attention(config, batch, kv_len, rng, kv_dtype))]
+        return [("decode", batch, lambda rng: _attention(config, batch, kv_len, rng, kv_dtype, dtype))]
     cut = operation == "sampling_cut"
     return [("decode", batch, lambda rng: _sampling(config, batch, rng, cut))]
 
 
 def _key(operation: str, phase: str, rows: int, config: ModelConfig, kv_len: int, kv_dtype: str,
-         int8: bool = False) -> str:
+         int8: bool = False, dtype: str = "float32") -> str:
     c = config
     dims = (f"D{c.emb_size} F{c.ffn_size} E{c.num_experts}k{c.num_selected_experts} N{c.num_q_heads} "
             f"K{c.num_kv_heads} H{c.key_size} V{c.vocab_size} L{c.num_layers}")
     extra = f" S{kv_len}/{c.sequence_len}" if operation == "attention" else ""
-    extra += " int8" if operation == "attention" and kv_dtype == "int8" else ""  # float32: the keys as before
-    extra += " int8 weights against float32" if int8 else ""
+    if operation == "attention" and kv_dtype != "float32":  # float32: the keys as before
+        extra += " int8" if kv_dtype == "int8" else f" {kv_dtype} cache"
+    extra += " int8 weights against float32" if int8 and dtype == "float32" else " int8 weights against bf16" if int8 else ""
+    extra += " bf16 activations" if dtype == "bfloat16" and operation in WEIGHT_OPERATIONS else ""
     return f"{operation} {phase} rows{rows}{extra} {dims}"
 
 
@@ -349,12 +356,14 @@ def _write_cache(path: Path | None, entries: dict) -> None:
 
 
 def calibrate(operations, config: ModelConfig, batch: int, prefill_tokens: int, kv_len: int,
-              cache: bool = True, kv_dtype: str = "float32", int8_weights=frozenset()) -> dict[str, Choice]:
+              cache: bool = True, kv_dtype: str = "float32", int8_weights=frozenset(),
+              dtype: str = "float32") -> dict[str, Choice]:
     """A ``Choice`` per operation (names from ``OPERATIONS``), each measured at its shapes for
     ``config`` with ``batch`` slots, prefill chunks of ``prefill_tokens`` and decode attention over
-    ``kv_len`` cache positions of ``kv_dtype`` ("float32" or "int8"); the operations in
-    ``int8_weights`` ("moe", "projections") have int8 weights: timed also on the int8 kernel against
-    the float32 kernel on their dequantised copy, and decided by ``decide_int8``. Measured shapes come
+    ``kv_len`` cache positions of ``kv_dtype`` ("float32", "bfloat16" or "int8"), with activations
+    and float weights of ``dtype`` ("float32" or "bfloat16"); the operations in ``int8_weights``
+    ("moe", "projections") have int8 weights: timed also on the int8 kernel against the float
+    kernel on their dequantised copy, and decided by ``decide_int8``. Measured shapes come
     from (and go to) the cache beside the kernel library unless ``cache`` is False. The kernels must
     be available."""
     path = _cache_path() if cache else None
@@ -364,8 +373,8 @@ def calibrate(operations, config: ModelConfig, batch: int, prefill_tokens: int, 
         if op not in OPERATIONS:
             raise ValueError(f"calibrate: unknown operation {op!r}, expected one of {OPERATIONS}")
         for int8 in ((True, False) if op in int8_weights else (False,)):
-            for phase, rows, builder in _shapes(op, config, batch, prefill_tokens, kv_len, kv_dtype, int8):
-                key = _key(op, phase, rows, config, kv_len, kv_dtype, int8)
+            for phase, rows, builder in _shapes(op, config, batch, prefill_tokens, kv_len, kv_dtype, int8, dtype):
+                key = _key(op, phase, rows, config, kv_len, kv_dtype, int8, dtype)
                 keyed.setdefault((op, int8), []).append(key)
                 if not (isinstance(entries.get(key), dict) and {"kernel_s", "xla_s"} <= entries[key].keys()):
                     todo.append((key, op, phase, rows, builder))

@@ -7,10 +7,11 @@
   both minor dimensions): XLA:CPU's matrix-vector product reads that layout about 1.7x faster.
 - **Panels**: where the calibration took a kernel, its float32 weights are packed in column
   panels (``ops.PanelWeight``; the tied embedding as ``ops.PanelTable``): the experts for the
-  grouped panel kernel, the attention projections and the embedding for the panel matmul. Int8
+  grouped panel kernel, the attention projections and the embedding for the panel matmul. With
+  bf16 activations they are held in bf16 panels of row pairs (``ops.Bf16PanelWeight``). Int8
   weights (``QuantizedWeight8bit``) are packed as int8 panels with float32 scales
   (``ops.Int8PanelWeight``), which the int8 kernels read as they are: no float copy is made.
-- **Dequantised**: an int8 weight no kernel takes is converted to float32 here, once (XLA:CPU
+- **Dequantised**: an int8 weight no kernel takes is converted to the activations' dtype here, once (XLA:CPU
   multiplies by an int8 weight 20-40x slower than by a float one: DESIGN.md).
 
 Only the backend reads these types; checkpoints, the sharding rules and the model's tests see the
@@ -25,7 +26,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from backends.cpu.ops import Int8PanelWeight, PanelTable, PanelWeight
+from backends.cpu.ops import Bf16PanelWeight, Int8PanelWeight, PanelTable, PanelWeight
 from model.quant import QuantizedWeight8bit, dequantize, is_quantized
 from model.sharding import path_str
 
@@ -56,7 +57,8 @@ class ExpertWeights:
         return x.astype(dtype) @ dequantize(w, dtype)
 
 
-LAYOUTS = (ExpertWeights, PanelWeight, Int8PanelWeight, PanelTable, QuantizedWeight8bit)
+HELD = (ExpertWeights, PanelWeight, Bf16PanelWeight, Int8PanelWeight, PanelTable)  # already in a CPU layout
+LAYOUTS = (*HELD, QuantizedWeight8bit)
 
 
 def split(w, transpose: bool) -> ExpertWeights:
@@ -67,31 +69,35 @@ def split(w, transpose: bool) -> ExpertWeights:
     return ExpertWeights(experts, transposed=transpose)
 
 
-def prepare(params, panels: frozenset, int8: frozenset = frozenset()):
-    """``params`` in the CPU layouts: every MoE weight in panels with ``"moe"`` in ``panels``,
-    else split per expert; the attention projections in panels with ``"projections"``; the
-    embedding with ``"unembed"`` (float32 only). An int8 weight stays int8 (``Int8PanelWeight``)
-    where its operation is in ``int8``, and is dequantised to float32 first everywhere else.
-    Other leaves are unchanged."""
+def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="float32"):
+    """``params`` in the CPU layouts for activations of ``dtype`` (float32 or bfloat16): every MoE
+    weight in panels with ``"moe"`` in ``panels``, else split per expert; the attention projections
+    in panels with ``"projections"``; the embedding with ``"unembed"``. Float weights of these are
+    held in ``dtype`` (float32 panels, or bf16 panels of row pairs), as the model multiplies by
+    them. An int8 weight stays int8 (``Int8PanelWeight``) where its operation is in ``int8``, and
+    is dequantised to ``dtype`` first everywhere else. Other leaves are unchanged."""
+    dtype = jnp.dtype(dtype)
 
     def one(path, w):
-        if isinstance(w, (ExpertWeights, PanelWeight, Int8PanelWeight, PanelTable)):
+        if isinstance(w, HELD):
             return w
         name = path_str(path)
         op = "moe" if MOE_WEIGHT.fullmatch(name) else "projections" if PROJECTION.fullmatch(name) else None
         if is_quantized(w):
             if op in int8 and op in panels:
                 return Int8PanelWeight.of(w)
-            w = dequantize(w, jnp.float32)
-        f32 = w.dtype == jnp.float32
+            w = dequantize(w, dtype)
+        elif op is not None or name == EMBEDDING:
+            w = w.astype(dtype)
+        kind = PanelWeight if dtype == jnp.float32 else Bf16PanelWeight
         if op == "moe":
-            if "moe" in panels and f32:
-                return PanelWeight.of(w)
+            if "moe" in panels:
+                return kind.of(w)
             return split(w, name.split("/")[-2] in TRANSPOSED)
-        if name == EMBEDDING and "unembed" in panels and f32:
+        if name == EMBEDDING and "unembed" in panels:
             return PanelTable.of(w)
-        if op == "projections" and "projections" in panels and f32 and w.ndim == 2:
-            return PanelWeight.of(w)
+        if op == "projections" and "projections" in panels and w.ndim == 2:
+            return kind.of(w)
         return w
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, LAYOUTS))

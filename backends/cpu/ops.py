@@ -7,8 +7,11 @@ A weight ``w [K, N]`` is held as ``[ceil(N / 32), K, 32]``: panel p is columns `
   own dot for 2 to 32 rows on an AVX-512 Zen 4, at least as fast for one row.
 - ``grouped_matmul`` multiplies rows grouped by expert, each group by its own expert, in one call
   (the MoE): an expert no row chose is never read, and one with many rows is read once.
-- ``decode_attention`` is a decode step's attention read in place from the KV cache
-  (``attention.cc``): XLA:CPU copies the attended positions out of the cache first;
+- ``bf16_panel_matmul`` and ``grouped_bf16_matmul`` are the same products by bf16 weights held
+  in panels of row pairs ``[..., P, ceil(K / 2), 32, 2]`` (``pack_pairs``): on AVX512-BF16's
+  pairwise dot where the CPU has it, widened to float32 in registers where not.
+- ``decode_attention`` is a decode step's attention read in place from the KV cache (float32 or
+  bf16; ``attention.cc``): XLA:CPU copies the attended positions out of the cache first;
   ``decode_attention_int8`` reads an int8 cache and its scales the same way.
 - ``filter_threshold`` is the cut of top-k and top-p sampling found without sorting the
   vocabulary, and ``logits_summary`` a row's top tokens and log-normaliser in one pass
@@ -71,6 +74,24 @@ def pack(w, dtype=np.float32) -> np.ndarray:
     return out
 
 
+def pack_pairs(w) -> np.ndarray:
+    """``w [..., K, N]`` as bf16 panels of row pairs ``[..., ceil(N / 32), ceil(K / 2), 32, 2]``
+    (rounded to bf16; zero past N and past an odd K): rows 2j and 2j + 1 of a panel interleaved
+    column by column, the operand layout of AVX512-BF16's pairwise dot (``panel_matmul.cc``).
+    Held as the bf16 values' bits (uint16): XLA:CPU widens a gather from a bf16 array (the
+    embedding's lookup) to float32 over the whole array first, and converts a bitcast of one as a
+    copy; the kernels read the bits as bf16."""
+    w = np.asarray(w)
+    k = w.shape[-2]
+    if k % 2:
+        w = np.concatenate([w, np.zeros((*w.shape[:-2], 1, w.shape[-1]), w.dtype)], axis=-2)
+    panels = pack(w, jnp.bfloat16)  # [..., P, K, 32]
+    *lead, p, k_even, _ = panels.shape
+    pairs = _hugepage_empty((*lead, p, k_even // 2, PANEL, 2), np.uint16)
+    pairs[...] = panels.reshape(*lead, p, k_even // 2, 2, PANEL).swapaxes(-1, -2).view(np.uint16)
+    return pairs
+
+
 def unpack(panels, n: int):
     """The ``[K, N]`` weight that ``panels`` holds (for tests and XLA fallbacks)."""
     p, k, _ = panels.shape
@@ -112,6 +133,41 @@ def grouped_matmul(x, panels, sizes, n: int):
     return jax.ffi.ffi_call(build.GROUPED, out)(x, panels, sizes.astype(jnp.int32))
 
 
+def _check_pairs(name: str, x, panels, n: int) -> None:
+    if x.dtype != jnp.float32 or panels.dtype != jnp.uint16:
+        raise ValueError(f"{name} takes float32 x and bf16 panels (their bits, uint16), got {x.dtype} and "
+                         f"{panels.dtype}")
+    if panels.shape[-2:] != (PANEL, 2) or panels.shape[-3] != -(-x.shape[-1] // 2):
+        raise ValueError(f"x {x.shape} does not match bf16 panels {panels.shape} ([..., P, ceil(K / 2), {PANEL}, 2])")
+    p = panels.shape[-4]
+    if not (p - 1) * PANEL < n <= p * PANEL:
+        raise ValueError(f"n={n} is not the width of {p} panels of {PANEL}")
+    build.require()
+
+
+def bf16_panel_matmul(x, panels, n: int):
+    """``x [..., K] @ w [K, n]`` with ``w`` bf16 in panels of row pairs ``[P, ceil(K / 2), 32, 2]``
+    (``pack_pairs``): x rounded to bf16, the products summed in float32 (AVX512-BF16's dot where
+    the CPU has it, else widened to float32 in registers). ``[..., n]`` float32."""
+    if panels.ndim != 4:
+        raise ValueError(f"bf16 panels must be [P, ceil(K / 2), {PANEL}, 2], got {panels.shape}")
+    _check_pairs("bf16_panel_matmul", x, panels, n)
+    return jax.ffi.ffi_call(build.BF16_MATMUL, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32))(x, panels)
+
+
+def grouped_bf16_matmul(x, panels, sizes, n: int):
+    """``grouped_matmul`` with bf16 experts in panels of row pairs ``[E, P, ceil(K / 2), 32, 2]``,
+    multiplied as in ``bf16_panel_matmul``."""
+    if x.ndim != 2 or panels.ndim != 5:
+        raise ValueError(f"x {x.shape} and bf16 expert panels {panels.shape} must be [R, K] and "
+                         f"[E, P, ceil(K / 2), {PANEL}, 2]")
+    if sizes.shape != (panels.shape[0],):
+        raise ValueError(f"sizes {sizes.shape} must have one entry per expert ({panels.shape[0]})")
+    _check_pairs("grouped_bf16_matmul", x, panels, n)
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(build.BF16_GROUPED, out)(x, panels, sizes.astype(jnp.int32))
+
+
 def _check_int8(name: str, x, panels, scales, n: int) -> None:
     if x.dtype != jnp.float32 or panels.dtype != jnp.int8 or scales.dtype != jnp.float32:
         raise ValueError(f"{name} takes float32 x, int8 panels and float32 scales, got {x.dtype}, {panels.dtype} and "
@@ -125,27 +181,30 @@ def _check_int8(name: str, x, panels, scales, n: int) -> None:
     build.require()
 
 
-def int8_panel_matmul(x, panels, scales, n: int):
+def int8_panel_matmul(x, panels, scales, n: int, bf16: bool = False):
     """``x [..., K] @ w [K, n]`` in float32 with ``w`` int8: its panels ``[P, K, 32]`` and float32
     scales ``[P, G, 32]`` (rows g K/G .. (g + 1) K/G of a panel times scales[p, g]), widened in
-    registers (``panel_matmul.cc``): the product by the dequantised weight up to float32 rounding."""
+    registers (``panel_matmul.cc``): the product by the dequantised weight up to float32 rounding.
+    With ``bf16`` (bf16 activations) on a CPU with AVX512-BF16, x is rounded to bf16 and each
+    panel dequantised to bf16 in cache (Grok-1's own rounding of the weight) and multiplied on the
+    bf16 dot; elsewhere ``bf16`` changes nothing."""
     if panels.ndim != 3 or panels.shape[2] != PANEL or x.shape[-1] != panels.shape[1] or scales.ndim != 3:
         raise ValueError(f"x {x.shape} does not match int8 panels {panels.shape} ([P, K, {PANEL}])")
     _check_int8("int8_panel_matmul", x, panels, scales, n)
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
-    return jax.ffi.ffi_call(build.INT8_MATMUL, out)(x, panels, scales)
+    return jax.ffi.ffi_call(build.INT8_MATMUL, out)(x, panels, scales, bf16=bool(bf16))
 
 
-def grouped_int8_matmul(x, panels, scales, sizes, n: int):
+def grouped_int8_matmul(x, panels, scales, sizes, n: int, bf16: bool = False):
     """``grouped_matmul`` with int8 experts: ``panels [E, P, K, 32]`` int8 and ``scales
-    [E, P, G, 32]`` float32, as in ``int8_panel_matmul``."""
+    [E, P, G, 32]`` float32, as in ``int8_panel_matmul`` (``bf16`` too)."""
     if x.ndim != 2 or panels.ndim != 4 or panels.shape[3] != PANEL or x.shape[1] != panels.shape[2]:
         raise ValueError(f"x {x.shape} does not match int8 expert panels {panels.shape} ([R, K] and [E, P, K, {PANEL}])")
     if sizes.shape != (panels.shape[0],):
         raise ValueError(f"sizes {sizes.shape} must have one entry per expert ({panels.shape[0]})")
     _check_int8("grouped_int8_matmul", x, panels, scales, n)
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(build.INT8_GROUPED, out)(x, panels, scales, sizes.astype(jnp.int32))
+    return jax.ffi.ffi_call(build.INT8_GROUPED, out)(x, panels, scales, sizes.astype(jnp.int32), bf16=bool(bf16))
 
 
 MAX_HEAD, MAX_GROUP = 128, 16  # attention.cc's kMaxHeadDim, kMaxHeadsPerKv
@@ -157,16 +216,17 @@ def decode_attention_fits(num_q_heads: int, num_kv_heads: int, head_size: int) -
 
 
 def decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BS, scale: float, cap: float):
-    """One decode step of grouped-query attention read in place from float32 caches.
+    """One decode step of grouped-query attention read in place from float32 or bf16 caches.
 
     ``q [B, N, H]`` (rotated), caches ``k, v [B, K, S_max, H]`` and ``mask [B, S]`` (S <= S_max:
     only the first S positions are read). Query head n uses KV head ``n // (N / K)``; logits are
     ``cap * tanh(scale * q.k / cap)``, softmaxed over the allowed keys; a row with none allowed
-    gets zeros. ``[B, N, H]`` float32. (attention.cc: XLA:CPU copies the S positions out of each
-    cache first.)"""
+    gets zeros. ``[B, N, H]`` float32. A bf16 cache is widened in registers, exactly.
+    (attention.cc: XLA:CPU copies the S positions out of each cache first.)"""
     b, n, h = q_BNH.shape
-    if any(a.dtype != jnp.float32 for a in (q_BNH, k_BKSH, v_BKSH)):
-        raise ValueError(f"decode_attention is float32 only, got q {q_BNH.dtype}, k {k_BKSH.dtype}, v {v_BKSH.dtype}")
+    if q_BNH.dtype != jnp.float32 or k_BKSH.dtype not in (jnp.float32, jnp.bfloat16) or v_BKSH.dtype != k_BKSH.dtype:
+        raise ValueError(f"decode_attention takes float32 queries and float32 or bf16 caches, got q {q_BNH.dtype}, "
+                         f"k {k_BKSH.dtype}, v {v_BKSH.dtype}")
     if (k_BKSH.ndim != 4 or v_BKSH.shape != k_BKSH.shape or k_BKSH.shape[0] != b or k_BKSH.shape[3] != h
             or mask_BS.shape[0] != b or mask_BS.ndim != 2 or mask_BS.shape[1] > k_BKSH.shape[2]
             or n % k_BKSH.shape[1]):
@@ -176,7 +236,8 @@ def decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BS, scale: float, cap: float):
         raise ValueError(f"decode_attention takes head sizes up to {MAX_HEAD} and at most {MAX_GROUP} query "
                          f"heads a KV head, got H={h}, {n // k_BKSH.shape[1]}")
     build.require()
-    call = jax.ffi.ffi_call(build.ATTENTION, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
+    target = build.ATTENTION if k_BKSH.dtype == jnp.float32 else build.ATTENTION_BF16
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
     return call(q_BNH, k_BKSH, v_BKSH, mask_BS.astype(jnp.bool_), scale=np.float32(scale), cap=np.float32(cap))
 
 
@@ -285,6 +346,32 @@ class Int8PanelWeight(_Panels):
 
 
 @flax.struct.dataclass
+class Bf16PanelWeight:
+    """A bf16 weight ``[..., K, N]`` held as bf16 panels of row pairs ``[..., ceil(N / 32),
+    ceil(K / 2), 32, 2]`` (``pack_pairs``, the bits as uint16): a plain weight for
+    ``bf16_panel_matmul``, stacked experts for ``grouped_bf16_matmul``."""
+
+    panels: jax.Array
+    depth: int = flax.struct.field(pytree_node=False)  # K
+    width: int = flax.struct.field(pytree_node=False)  # N
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.panels.shape[:-4], self.depth, self.width)
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.bfloat16)  # held as its bits
+
+    @classmethod
+    def of(cls, w) -> "Bf16PanelWeight":
+        return cls(jax.device_put(pack_pairs(w)), depth=w.shape[-2], width=w.shape[-1])
+
+    def __matmul__(self, x):
+        raise TypeError("use bf16_panel_matmul(x, w.panels, w.width): x @ Bf16PanelWeight is not defined")
+
+
+@flax.struct.dataclass
 class PanelTable:
     """The tied embedding ``[V, D]`` held as the panels of its transpose, ``[ceil(V / 32), D, 32]``:
     the unembedding ``h @ table.T`` runs on the kernel, and a lookup of row v reads
@@ -292,19 +379,34 @@ class PanelTable:
 
     panels: jax.Array
     vocab_size: int = flax.struct.field(pytree_node=False)
+    emb_size: int = flax.struct.field(pytree_node=False)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.vocab_size, self.panels.shape[1])
+        return (self.vocab_size, self.emb_size)
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.float32 if self.panels.dtype == jnp.float32 else jnp.bfloat16)
 
     @classmethod
     def of(cls, table) -> PanelTable:
-        return cls(jax.device_put(pack(np.asarray(table).T)), vocab_size=table.shape[0])
+        """From a float32 table (float32 panels) or a bf16 one (bf16 panels of row pairs)."""
+        t = np.asarray(table).T
+        panels = pack(t) if table.dtype == jnp.float32 else pack_pairs(t)
+        return cls(jax.device_put(panels), vocab_size=table.shape[0], emb_size=table.shape[1])
 
     def lookup(self, tokens):
         """Rows ``tokens`` of the table: ``[..., D]``."""
-        return self.panels[tokens // PANEL, :, tokens % PANEL]
+        if self.panels.ndim == 3:
+            return self.panels[tokens // PANEL, :, tokens % PANEL]
+        # gathered as bits (uint16): XLA:CPU widens a bf16 gather to float32 over the whole table
+        # first (19 ms of a 34 ms bf16 decode call of the bench config here)
+        pairs = jax.lax.bitcast_convert_type(self.panels[tokens // PANEL, :, tokens % PANEL, :], jnp.bfloat16)
+        return pairs.reshape(*pairs.shape[:-2], -1)[..., : self.emb_size]
 
     def unembed(self, h):
         """``h [..., D] @ table.T``: ``[..., V]`` in float32."""
-        return panel_matmul(h.astype(jnp.float32), self.panels, self.vocab_size)
+        if self.panels.ndim == 3:
+            return panel_matmul(h.astype(jnp.float32), self.panels, self.vocab_size)
+        return bf16_panel_matmul(h.astype(jnp.float32), self.panels, self.vocab_size)
