@@ -67,16 +67,15 @@ def quantize_kv(x) -> QuantizedKV:
 
 def set_at(full, index, new):
     """``full.at[index].set(new, mode="drop")``, ``new`` cast to ``full``'s dtype. A bf16 array is
-    written as its bits (uint16): XLA:CPU widens a bf16 scatter to float32 over the whole array
-    (a conversion there and back, and a copy: for a KV cache, the whole cache of a layer on
-    every decode step, which made a bf16 decode call 3.8x slower than float32's on the bench
-    config), where it writes an integer scatter in place. The bits are the same either way."""
+    written as its bits (uint16): XLA:CPU widens a bf16 scatter to float32 (a conversion of the
+    whole array there and back, fused into the write); as bits the write is a plain integer one
+    (16 bf16 cache writes of the bench config's shape: 0.32 ms against 0.56 on an AMD EPYC). The
+    bits written are the same either way."""
     new = new.astype(full.dtype)
     if full.dtype != jnp.bfloat16:
         return full.at[index].set(new, mode="drop")
     bits = jax.lax.bitcast_convert_type
-    written = jax.lax.optimization_barrier(bits(full, jnp.uint16).at[index].set(bits(new, jnp.uint16), mode="drop"))
-    return bits(written, jnp.bfloat16)
+    return bits(bits(full, jnp.uint16).at[index].set(bits(new, jnp.uint16), mode="drop"), jnp.bfloat16)
 
 
 def write_kv(cache, rows_BT, positions_BT, new_BTKH):
