@@ -23,9 +23,12 @@ decode call made as one chunk, so it is asked for ``logprobs: 0``), else one a c
 Servers: ``ours`` is ``python run.py serve`` of this tree, or of ``--ours-tree`` (a checkout of
 another commit, for before/after in one run), on a checkpoint written here; ``ours-nocache`` is
 this tree with its prefix cache off (``--prefix-cache-gb 0``), ``ours-int8`` with an int8 KV cache
-(``--kv-dtype int8``, its prefix pool int8 too). ``vllm`` and
-``llama`` run the scripts ``/tmp/peers/vllm.sh PORT`` and ``/tmp/peers/llama.sh PORT`` (how to
-set them up: BENCHMARKS.md, "Peers"); a server whose script is missing is skipped, and said so.
+(``--kv-dtype int8``, its prefix pool int8 too), ``ours-bf16`` in bf16 (``--dtype bfloat16``),
+``ours-q8`` with int8 weights (``--quantize int8``) and ``ours-q8-bf16`` with int8 weights and bf16
+activations. ``vllm`` and ``llama`` run the scripts ``/tmp/peers/vllm.sh PORT`` and
+``/tmp/peers/llama.sh PORT`` (how to set them up: bench/peers/README.md); ``vllm-bf16`` is vLLM
+with ``VLLM_DTYPE=bfloat16``, ``llama-bf16`` and ``llama-q8`` llama-server on the bf16 and q8_0
+GGUFs (``LLAMA_GGUF``). A server whose script is missing is skipped, and said so.
 """
 
 from __future__ import annotations
@@ -45,7 +48,15 @@ import numpy as np
 from bench.serve import HERE, free_port, percentile, start_server, stop_server
 
 VOCAB = 8192
-PEERS = {"vllm": "/tmp/peers/vllm.sh", "llama": "/tmp/peers/llama.sh"}
+# peer: (its script, the environment that picks its precision)
+PEERS = {"vllm": ("/tmp/peers/vllm.sh", {}), "vllm-bf16": ("/tmp/peers/vllm.sh", {"VLLM_DTYPE": "bfloat16"}),
+         "llama": ("/tmp/peers/llama.sh", {}),
+         "llama-bf16": ("/tmp/peers/llama.sh", {"LLAMA_GGUF": "/tmp/peers/grok-bench-bf16.gguf"}),
+         "llama-q8": ("/tmp/peers/llama.sh", {"LLAMA_GGUF": "/tmp/peers/grok-bench-q8_0.gguf"})}
+# ours: the arguments of its serve that make each variant
+OURS = {"ours": [], "ours-nocache": ["--prefix-cache-gb", "0"], "ours-int8": ["--kv-dtype", "int8"],
+        "ours-bf16": ["--dtype", "bfloat16"], "ours-q8": ["--quantize", "int8"],
+        "ours-q8-bf16": ["--quantize", "int8", "--dtype", "bfloat16"], "ours-before": []}
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -194,7 +205,8 @@ def markdown(results: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", default="ours,vllm,llama",
-                   help="ours, ours-nocache, ours-int8, ours-before (with --ours-tree), vllm, llama; in this order")
+                   help=f"some of {', '.join(OURS)} (ours-before with --ours-tree), {', '.join(PEERS)}; "
+                        "in this order")
     p.add_argument("--scenarios", default="rate1,burst32,long32,arrivals,prefix32")
     p.add_argument("--ours-tree", help="a checkout of another commit: served as ours-before")
     p.add_argument("--serve-args", default="", help="extra arguments of ours' serve (both trees)")
@@ -214,29 +226,27 @@ def main(argv=None) -> None:
     print(f"CPU: {results['cpu']}")
     for name in args.servers.split(","):
         port = free_port()
-        if name in ("ours", "ours-nocache", "ours-int8", "ours-before"):
+        env = None
+        if name in OURS:
             tree = args.ours_tree if name == "ours-before" else HERE
             if tree is None:
                 p.error("ours-before needs --ours-tree")
             command = [sys.executable, os.path.join(tree, "run.py"), "serve", "--checkpoint", checkpoint,
                        "--model-name", "bench", "--port", str(port), "--batch-size", "8",
-                       "--max-waiting", "1000"] + args.serve_args.split()
-            if name == "ours-nocache":
-                command += ["--prefix-cache-gb", "0"]
-            if name == "ours-int8":
-                command += ["--kv-dtype", "int8"]
+                       "--max-waiting", "1000"] + args.serve_args.split() + OURS[name]
             server = Server(name, f"http://127.0.0.1:{port}", "bench", {"logprobs": 0})
             env_tree = tree
         else:
-            script = PEERS[name]
-            if not os.path.exists(script):
-                print(f"{name}: {script} not found, skipped")
+            script, extra = PEERS[name]
+            gguf = extra.get("LLAMA_GGUF")
+            if not os.path.exists(script) or (gguf and not os.path.exists(gguf)):
+                print(f"{name}: {gguf if gguf and os.path.exists(script) else script} not found, skipped")
                 continue
             command = ["bash", script, str(port)]
             server = Server(name, f"http://127.0.0.1:{port}", "", {"ignore_eos": True})
-            env_tree = HERE
+            env_tree, env = HERE, dict(os.environ, **extra)
         started = time.perf_counter()
-        process = start_server(command, port, log, cwd=env_tree)
+        process = start_server(command, port, log, cwd=env_tree, env=env)
         if not server.model:
             server.model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
         print(f"\n{name}: up in {time.perf_counter() - started:.0f} s")

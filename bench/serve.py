@@ -113,10 +113,10 @@ def free_port() -> int:
     return port
 
 
-def start_server(command: list[str], port: int, log, cwd: str = HERE) -> subprocess.Popen:
-    """Start a server subprocess (in ``cwd``) and wait until its ``/health`` answers 200 (15 minutes
+def start_server(command: list[str], port: int, log, cwd: str = HERE, env=None) -> subprocess.Popen:
+    """Start a server subprocess (in ``cwd``, with ``env``: None inherits ours) and wait until its ``/health`` answers 200 (15 minutes
     at most: ours compiles every variant at start, over 5 minutes cold on a 2-core EPYC)."""
-    server = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 900
     while True:

@@ -34,7 +34,8 @@ def pytest_configure(config):
 # The files that take longest, first (serial seconds of the default run on a 2-core EPYC,
 # 2026-12-02): pytest-xdist hands whole files to its workers in collection order, and a long file
 # started last keeps one worker busy while the other idles. The rest keep their order.
-LONGEST_FIRST = ("test_server.py", "test_model.py", "test_http.py", "test_kv_int8.py",  # 150, 150, 70, 70
+LONGEST_FIRST = ("test_server.py", "test_model.py", "test_bf16.py",  # 150, 150, 150 (test_bf16: 2026-12-03)
+                 "test_http.py", "test_kv_int8.py",  # 70, 70
                  "test_sampling.py", "test_reference_parity.py", "test_chat_page.py",  # 64, 60, 40 (its server)
                  "test_core.py", "test_prefix_cache.py")  # 40, 35
 

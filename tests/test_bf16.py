@@ -207,7 +207,7 @@ def _flags() -> str:
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the fallback targets are x86")
 @pytest.mark.skipif(not build.bf16_dot(), reason="no AVX512-BF16 here: the native build is the fallback, "
                     "which every kernel test above runs")
-@pytest.mark.parametrize("march", ["x86-64-v3", "skylake-avx512"])
+@pytest.mark.parametrize("march", ["x86-64-v3", pytest.param("skylake-avx512", marks=pytest.mark.slow)])
 def test_without_avx512_bf16_the_bf16_kernels_widen_exactly(tmp_path, march):
     """The kernels built for a CPU without AVX512-BF16 (AVX2, and AVX-512 without BF16) widen the
     bf16 pairs to float32 in registers: the same products, each row independent of the others."""

@@ -12,7 +12,7 @@
   weights (``QuantizedWeight8bit``) are packed as int8 panels with float32 scales
   (``ops.Int8PanelWeight``), which the int8 kernels read as they are: no float copy is made.
 - **Dequantised**: an int8 weight no kernel takes is converted to the activations' dtype here, once (XLA:CPU
-  multiplies by an int8 weight 20-40x slower than by a float one: DESIGN.md).
+  multiplies by an int8 weight 20-40x slower than by a float one: BENCHMARKS.md, "Low precision on CPU").
 
 Only the backend reads these types; checkpoints, the sharding rules and the model's tests see the
 canonical pytree.
