@@ -84,7 +84,7 @@ def parse_args(argv):
                    "step (BENCHMARKS.md measures the speed and the logit error). int8 checkpoints (the shipped "
                    "model, Grok-1) are read as int8 without it")
     p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto",
-                   help="where the operations run (kernels/): xla is pure JAX on any devices; cpu is one CPU "
+                   help="where the operations run (backends/): xla is pure JAX on any devices; cpu is one CPU "
                    "device with every C++ kernel; auto (default) is cpu on one CPU device with each kernel "
                    "taken only where measured faster than XLA's op on this CPU (once per machine, cached), "
                    "xla elsewhere")

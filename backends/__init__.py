@@ -21,8 +21,9 @@ Two backends:
 - ``backends.cpu.CPU``: one CPU device, with C++ kernels (built on first use, each taken only where
   measured faster than XLA's op on the CPU at hand) and CPU layouts (experts split or in panels).
 
-``runner.selection.choose`` picks one for a runner and says why. Nothing here imports the CPU
-backend (``backends.cpu``, which needs the model's types): ``model/`` imports this package.
+``runner.selection.choose`` picks one for a runner and says why. The dependency runs one way:
+backends import the model's types (``backends.cpu`` its layers' layouts); ``model/`` imports
+nothing from here and takes its backend as an argument.
 """
 
 from backends.base import Backend

@@ -1,4 +1,4 @@
-"""The interface every backend implements (see ``kernels/__init__.py``)."""
+"""The interface every backend implements (see ``backends/__init__.py``)."""
 
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from backends.cpu import build, ops as panel
 from bench.common import BENCH, busy, expected_experts, median_time, serve
+from backends import XLA
 from model import init_params
 from runner import InferenceRunner, ModelRunner, Request
 
@@ -150,7 +151,7 @@ def no_cache_generation(params, config, prompt_len: int, new_tokens: int) -> lis
 def init_forward(params, tokens, config):
     from model import forward
 
-    return forward(params, tokens, config).logits[:, -1]
+    return forward(params, tokens, config, backend=XLA()).logits[:, -1]
 
 
 def startup_of_default() -> dict | None:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from backends.cpu import build, ops as panel
-from bench.common import BENCH, serve
+from bench.common import BENCH, cpu, serve
 from model import init_params
 from runner import InferenceRunner, ModelRunner
 

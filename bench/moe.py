@@ -63,7 +63,7 @@ def main(argv=None):
     names = list(ways)
     print("| tokens | experts hit | " + " | ".join(names) + " | best | XLA FLOPs / needed: " + ", ".join(names) + " |")
     print("|---:|---:|" + "---:|" * (len(names) + 2))
-    layer_params = [nn.meta.unbox(MoELayer(config).init(jax.random.PRNGKey(i), jnp.zeros((1, 1, config.emb_size)),
+    layer_params = [nn.meta.unbox(MoELayer(config, XLA()).init(jax.random.PRNGKey(i), jnp.zeros((1, 1, config.emb_size)),
                                                         jnp.ones((1, 1, e)) / e)["params"]) for i in range(args.layers)]
     held = {name: [backend.prepare({"moe": p})["moe"] for p in layer_params] for name, backend in ways.items()}
     for m in (int(t) for t in args.tokens.split(",")):

@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from checkpoints import load_original
+from backends import XLA
 from model import GROK_1_REFERENCE_TINY, forward
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,7 +29,7 @@ def main(argv=None):
     for dtype, name in (("float32", "logits_full_fprop32.npy"), ("bfloat16", "logits_full.npy")):
         config = dataclasses.replace(GROK_1_REFERENCE_TINY, fprop_dtype=dtype)
         params = load_original(os.path.join(args.fixture, "ckpt"), config)
-        got = np.asarray(forward(params, tokens, config).logits)
+        got = np.asarray(forward(params, tokens, config, backend=XLA()).logits)
         want = np.load(os.path.join(args.fixture, name))
         diff = np.abs(got - want)
         agree = (got.argmax(-1) == want.argmax(-1)).mean()

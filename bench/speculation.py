@@ -39,6 +39,7 @@ import numpy as np
 
 from bench.__main__ import LimitsProbe
 from bench.common import BENCH, cpu, expected_experts
+from backends import XLA
 from model import init_params
 from runner import InferenceRunner, ModelRunner, Request
 
@@ -205,8 +206,8 @@ def quantization_error(args) -> dict:
     deq = jax.tree_util.tree_map(lambda w: dequantize(w, jax.numpy.float32), quantize_params(params),
                                  is_leaf=lambda x: isinstance(x, QuantizedWeight8bit))
     tokens = np.random.default_rng(0).integers(4, BENCH.vocab_size, (4, 64)).astype(np.int32)
-    a = np.asarray(jax.jit(lambda p, t: forward(p, t, BENCH).logits)(params, tokens))
-    b = np.asarray(jax.jit(lambda p, t: forward(p, t, BENCH).logits)(deq, tokens))
+    a = np.asarray(jax.jit(lambda p, t: forward(p, t, BENCH, backend=XLA()).logits)(params, tokens))
+    b = np.asarray(jax.jit(lambda p, t: forward(p, t, BENCH, backend=XLA()).logits)(deq, tokens))
     out = {"max_abs_over_max_logit": float(np.abs(a - b).max() / np.abs(a).max()),
            "mean_abs_over_std": float(np.abs(a - b).mean() / a.std()),
            "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).mean())}

@@ -4,7 +4,8 @@ Parameter names and shapes follow the published Haiku tree exactly (``multi_head
 ``[D, N*H]``, ``moe/linear/w`` ``[E, D, F]``, ...), so a checkpoint maps onto it by name. Any weight
 may be a float array or a ``QuantizedWeight8bit``, or held in a backend's own layout (its
 ``prepare``); the layers never look inside a weight: each is handed to the backend's operation
-(``backends.Backend``: matmul, grouped matmul, attention), which dequantises where it must.
+(``backends.Backend``: matmul, grouped matmul, attention), which dequantises where it must. The
+backend is always an argument: ``model/`` imports nothing from ``backends/`` (which imports it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from backends.xla import XLA
 from model.config import ModelConfig
 from model.memory import write_kv
 from model.quant import QuantizedWeight8bit, dequantize
@@ -25,7 +25,6 @@ from model.partitioning import constrain
 RESIDUAL = ("batch", "seq", "act_embed")
 CACHE = ("batch", "cache_kv_heads", "cache_sequence", "head_dim")
 
-DEFAULT_BACKEND = XLA()
 
 
 def _fan_in_normal(fan_in_axes: tuple[int, ...]):
@@ -107,7 +106,7 @@ class MultiHeadAttention(nn.Module):
     projections and the attention itself are the backend's."""
 
     config: ModelConfig
-    backend: object = DEFAULT_BACKEND
+    backend: object  # what runs the matmuls and the attention (a backends.Backend, passed in)
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, mask_BTS, cache=None):
@@ -162,7 +161,7 @@ class MoELayer(nn.Module):
     """
 
     config: ModelConfig
-    backend: object = DEFAULT_BACKEND
+    backend: object  # what runs the matmuls and the attention (a backends.Backend, passed in)
 
     @nn.compact
     def __call__(self, x_BTD, probs_BTE, valid_BT=None):
@@ -218,7 +217,7 @@ class DecoderLayer(nn.Module):
     around the MoE (GROK1.md §3.2). Intermediates are sown for parity tests."""
 
     config: ModelConfig
-    backend: object = DEFAULT_BACKEND
+    backend: object  # what runs the matmuls and the attention (a backends.Backend, passed in)
 
     @nn.compact
     def __call__(self, h_BTD, *, positions_BT, mask_BTS, cache=None, valid_BT=None):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
-from model.layers import DEFAULT_BACKEND, RESIDUAL, DecoderLayer, RMSNorm, declare, held_in_layout
+from model.layers import RESIDUAL, DecoderLayer, RMSNorm, declare, held_in_layout
 from model.memory import KVMemory
 from model.partitioning import constrain
 
@@ -48,7 +48,7 @@ class LanguageModelHead(nn.Module):
     """Grok-1's ``language_model`` scope: the embedding table and the final norm."""
 
     config: ModelConfig
-    backend: object = DEFAULT_BACKEND
+    backend: object
 
     def setup(self):
         self.in_out_embed = InOutEmbed(self.config.vocab_size, self.config.emb_size)
@@ -71,7 +71,7 @@ class LanguageModelHead(nn.Module):
 
 class Transformer(nn.Module):
     config: ModelConfig
-    backend: object = DEFAULT_BACKEND
+    backend: object
 
     @nn.compact
     def __call__(self, h_BTD, *, positions_BT, mask_BTS, memory: KVMemory | None, valid_BT=None):
@@ -118,7 +118,7 @@ class LanguageModel(nn.Module):
     attention; its parameters are the canonical ones or those of its ``prepare``."""
 
     config: ModelConfig
-    backend: object = DEFAULT_BACKEND
+    backend: object
 
     @nn.compact
     def __call__(self, tokens_BT, memory: KVMemory | None = None, lengths_B=None,
@@ -157,11 +157,11 @@ class LanguageModel(nn.Module):
 
 
 def forward(params, tokens, config: ModelConfig, *, memory: KVMemory | None = None, lengths=None,
-            last_only: bool = False, backend=DEFAULT_BACKEND, kv_len: int | None = None) -> ForwardOutput:
+            last_only: bool = False, backend, kv_len: int | None = None) -> ForwardOutput:
     """Logits for ``tokens [B, T]``; with ``memory``, also the updated memory.
 
     ``lengths [B]`` is each row's number of real tokens (right padding beyond it is masked and, with
-    memory, does not advance ``step``). ``backend``: a ``backends.Backend`` (default: pure XLA), with
+    memory, does not advance ``step``). ``backend``: a ``backends.Backend`` (``backends.XLA()``: pure JAX), with
     ``params`` canonical or from its ``prepare``. Outside ``jit`` a write past ``sequence_len`` raises
     ``ValueError`` here, before anything runs.
     """
@@ -188,10 +188,33 @@ def _apply(params, tokens, memory, lengths, *, config, last_only, backend, kv_le
     return LanguageModel(config, backend).apply({"params": params}, tokens, memory, lengths, last_only, kv_len)
 
 
+class _Shapes:
+    """The backend of ``init``: Flax initialises parameters by running the forward once, whose
+    values are thrown away, so its operations need only their outputs' shapes (zeros)."""
+
+    def matmul(self, x, w, dtype):
+        return jnp.zeros(x.shape[:-1] + w.shape[-1:], dtype)
+
+    def embed(self, table, tokens, dtype):
+        return jnp.zeros(tokens.shape + table.shape[-1:], dtype)
+
+    def unembed(self, h, table, dtype):
+        return jnp.zeros(h.shape[:-1] + table.shape[:1], dtype)
+
+    def grouped_matmul(self, x_RK, w, sizes_E, dtype):
+        return jnp.zeros(x_RK.shape[:-1] + w.shape[-1:], dtype)
+
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap):
+        return jnp.zeros_like(q_BTNH)
+
+
+def _init(config: ModelConfig, rng):
+    return LanguageModel(config, _Shapes()).init(rng, jnp.zeros((1, 1), jnp.int32))
+
+
 def init_params(config: ModelConfig, rng) -> dict:
     """Fresh random parameters (fan-in scaled normals, unit norm scales) in float32."""
-    dummy = jnp.zeros((1, 1), jnp.int32)
-    return nn.meta.unbox(LanguageModel(config).init(rng, dummy)["params"])
+    return nn.meta.unbox(_init(config, rng)["params"])
 
 
 def declared_params(config: ModelConfig, num_layers: int | None = None) -> dict[str, tuple[tuple, tuple]]:
@@ -199,7 +222,7 @@ def declared_params(config: ModelConfig, num_layers: int | None = None) -> dict[
     abstract init: nothing is allocated). ``num_layers`` overrides the config's."""
     if num_layers is not None:
         config = dataclasses.replace(config, num_layers=num_layers)
-    boxed = jax.eval_shape(lambda: LanguageModel(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
+    boxed = jax.eval_shape(lambda: _init(config, jax.random.PRNGKey(0)))
     leaves = jax.tree_util.tree_flatten_with_path(
         boxed["params"], is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]
     return {"/".join(str(k.key) for k in path): (tuple(box.value.shape), tuple(box.names)) for path, box in leaves}

@@ -16,6 +16,7 @@ from checkpoints import CheckpointError, open_native, restore, save
 from checkpoints.convert import convert, main as convert_main
 from checkpoints.lazy import LazyTensor
 from checkpoints.materialize import materialize
+from backends import XLA
 from model import GROK_1_REFERENCE_TINY, TINY, QuantizedWeight8bit, forward
 from model.quant import dequantize
 from model.sharding import make_mesh
@@ -64,8 +65,8 @@ def test_imported_and_converted_fixture_are_identical(reference_dir, converted, 
     assert native.config == GROK_1_REFERENCE_TINY
     assert_trees_equal(native.params, imported.params)
     tokens = np.load(reference_dir / "tokens_full.npy")
-    a = forward(imported.params, tokens, FIXTURE).logits
-    b = forward(native.params, tokens, FIXTURE).logits
+    a = forward(imported.params, tokens, FIXTURE, backend=XLA()).logits
+    b = forward(native.params, tokens, FIXTURE, backend=XLA()).logits
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -77,9 +78,9 @@ def test_restore_onto_meshes_gives_identical_logits(reference_dir, converted, im
     assert q.weight.sharding.mesh.shape == mesh.shape
     assert q.weight.sharding.spec == jax.sharding.PartitionSpec(None, "model", "data")
     tokens = np.load(reference_dir / "tokens_full.npy")
-    want = np.asarray(forward(imported.params, tokens, FIXTURE).logits)
+    want = np.asarray(forward(imported.params, tokens, FIXTURE, backend=XLA()).logits)
     with jax.set_mesh(mesh):
-        got = np.asarray(forward(restored.params, tokens, FIXTURE).logits)
+        got = np.asarray(forward(restored.params, tokens, FIXTURE, backend=XLA()).logits)
     # Sharded contractions sum in another order; through 12 layers of random int8 weights that
     # moves logits of magnitude ~16 by up to ~6e-5 (the reference itself differs from an exact
     # re-implementation by as much). Equal up to that, and the same argmax everywhere.

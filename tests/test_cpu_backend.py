@@ -219,8 +219,8 @@ def test_float_weights_quantised_at_load_run_as_int8():
     got = np.asarray(engine.forward(engine.params, tokens, lengths))
     deq = jax.tree_util.tree_map(lambda w: dequantize(w, jnp.float32), quantized,
                                  is_leaf=lambda x: isinstance(x, QuantizedWeight8bit))
-    np.testing.assert_allclose(got, forward(deq, tokens, TINY).logits, atol=1e-4, rtol=1e-4)
-    floats = np.asarray(forward(params, tokens, TINY).logits)
+    np.testing.assert_allclose(got, forward(deq, tokens, TINY, backend=XLA()).logits, atol=1e-4, rtol=1e-4)
+    floats = np.asarray(forward(params, tokens, TINY, backend=XLA()).logits)
     assert 0 < np.abs(got - floats).max() < 0.05 * np.abs(floats).max()  # the int8 rounding, and only that
     with pytest.raises(ValueError, match="quantize must be None or 'int8', got 'int4'"):
         ModelRunner(model=TINY, params=params, quantize="int4").initialize()
@@ -250,7 +250,7 @@ def test_embedding_and_attention_in_panels_give_the_same_logits_and_rows():
     np.testing.assert_array_equal(table.lookup(ids), params["language_model"]["in_out_embed"]["embeddings"][ids])
     tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(1), (2, 9), 1, 333))
     np.testing.assert_allclose(forward(packed, tokens, config, backend=backend).logits,
-                               forward(params, tokens, config).logits, atol=1e-4, rtol=1e-4)
+                               forward(params, tokens, config, backend=XLA()).logits, atol=1e-4, rtol=1e-4)
 
 
 @needs_kernel

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from backends import XLA
 from model import TINY, QuantizedKV, forward, new_memory, quantize_kv
 from runner import InferenceRunner, ModelRunner, Request
 from tests.test_core import mixed, solo, tokens
@@ -66,7 +67,7 @@ def test_a_prompt_prefilled_whole_or_token_by_token_reads_the_same_int8_cache(ti
     the chunk's own included: a prefill of the whole sequence gives the logits of a decode one
     token at a time (up to float rounding, amplified by random weights)."""
     tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 24), 1, TINY.vocab_size)
-    whole = forward(tiny_params, tokens, TINY, memory=new_memory(TINY, 2, dtype="int8"))
+    whole = forward(tiny_params, tokens, TINY, memory=new_memory(TINY, 2, dtype="int8"), backend=XLA())
     stepped, _ = _decode(tiny_params, tokens, config=TINY, prompt=1, kv_dtype="int8")
     np.testing.assert_allclose(np.asarray(whole.logits), np.asarray(stepped)[:, :24], atol=2e-3, rtol=1e-3)
     assert isinstance(whole.memory.k[0], QuantizedKV) and np.asarray(whole.memory.step).tolist() == [24, 24]

@@ -40,7 +40,7 @@ def decode_all(params, tokens, prefill_len, config=TINY, batch_rows=None, backen
 
 def test_cached_decode_equals_full_forward(tiny_params):
     tokens = random_tokens(0, (2, 20))
-    full = np.asarray(forward(tiny_params, tokens, TINY).logits)
+    full = np.asarray(forward(tiny_params, tokens, TINY, backend=XLA()).logits)
     cached, memory = decode_all(tiny_params, tokens, prefill_len=7)
     assert np.abs(cached - full).max() <= ATOL
     np.testing.assert_array_equal(np.asarray(memory.step), [20, 20])
@@ -48,36 +48,36 @@ def test_cached_decode_equals_full_forward(tiny_params):
 
 def test_chunked_prefill_with_padding_equals_full_forward(tiny_params):
     tokens = random_tokens(1, (1, 13))
-    full = np.asarray(forward(tiny_params, tokens, TINY).logits)
+    full = np.asarray(forward(tiny_params, tokens, TINY, backend=XLA()).logits)
     memory = new_memory(TINY, 1)
     # chunk 1: 8 real tokens; chunk 2: 5 real tokens right-padded to 8
-    out1 = forward(tiny_params, tokens[:, :8], TINY, memory=memory)
+    out1 = forward(tiny_params, tokens[:, :8], TINY, memory=memory, backend=XLA())
     padded = np.zeros((1, 8), np.int32)
     padded[0, :5] = tokens[0, 8:]
-    out2 = forward(tiny_params, padded, TINY, memory=out1.memory, lengths=[5])
+    out2 = forward(tiny_params, padded, TINY, memory=out1.memory, lengths=[5], backend=XLA())
     assert int(out2.memory.step[0]) == 13
     np.testing.assert_allclose(np.asarray(out1.logits), full[:, :8], atol=ATOL)
     np.testing.assert_allclose(np.asarray(out2.logits)[:, :5], full[:, 8:], atol=ATOL)
     # decoding on from the padded prefill still equals the full forward
     longer = np.concatenate([tokens, random_tokens(2, (1, 1))], axis=1)
-    out3 = forward(tiny_params, longer[:, 13:], TINY, memory=out2.memory)
+    out3 = forward(tiny_params, longer[:, 13:], TINY, memory=out2.memory, backend=XLA())
     np.testing.assert_allclose(np.asarray(out3.logits)[:, 0],
-                               np.asarray(forward(tiny_params, longer, TINY).logits)[:, 13], atol=ATOL)
+                               np.asarray(forward(tiny_params, longer, TINY, backend=XLA()).logits)[:, 13], atol=ATOL)
 
 
 def test_rows_are_independent(tiny_params):
     tokens = random_tokens(3, (3, 10))
     lengths = np.array([10, 6, 8])
-    base = np.asarray(forward(tiny_params, tokens, TINY, lengths=lengths).logits)
+    base = np.asarray(forward(tiny_params, tokens, TINY, lengths=lengths, backend=XLA()).logits)
     other = tokens.copy()
     other[1] = random_tokens(4, (10,))
-    changed = np.asarray(forward(tiny_params, other, TINY, lengths=[10, 3, 8]).logits)
+    changed = np.asarray(forward(tiny_params, other, TINY, lengths=[10, 3, 8], backend=XLA()).logits)
     for i in (0, 2):
         np.testing.assert_allclose(changed[i], base[i], atol=1e-6)
     # with memory: rows at different steps, row 1 rewritten, rows 0 and 2 unchanged
     memory = new_memory(TINY, 3)
-    out = forward(tiny_params, tokens, TINY, memory=memory, lengths=lengths)
-    out_b = forward(tiny_params, other, TINY, memory=memory, lengths=[10, 3, 8])
+    out = forward(tiny_params, tokens, TINY, memory=memory, lengths=lengths, backend=XLA())
+    out_b = forward(tiny_params, other, TINY, memory=memory, lengths=[10, 3, 8], backend=XLA())
     for i in (0, 2):
         np.testing.assert_allclose(np.asarray(out_b.logits[i]), np.asarray(out.logits[i]), atol=1e-6)
         for layer in range(TINY.num_layers):
@@ -88,12 +88,12 @@ def test_rows_are_independent(tiny_params):
 
 def test_right_padding_never_changes_real_positions(tiny_params):
     tokens = random_tokens(5, (1, 7))
-    real = np.asarray(forward(tiny_params, tokens, TINY).logits)
+    real = np.asarray(forward(tiny_params, tokens, TINY, backend=XLA()).logits)
     padded = np.concatenate([tokens, np.zeros((1, 9), np.int32)], axis=1)
     # padding by token id (as the reference) and by explicit length give the same real positions
-    by_id = np.asarray(forward(tiny_params, padded, TINY).logits)[:, :7]
+    by_id = np.asarray(forward(tiny_params, padded, TINY, backend=XLA()).logits)[:, :7]
     garbage = np.concatenate([tokens, random_tokens(6, (1, 9))], axis=1)
-    by_len = np.asarray(forward(tiny_params, garbage, TINY, lengths=[7]).logits)[:, :7]
+    by_len = np.asarray(forward(tiny_params, garbage, TINY, lengths=[7], backend=XLA()).logits)[:, :7]
     np.testing.assert_allclose(by_id, real, atol=1e-5)
     np.testing.assert_allclose(by_len, real, atol=1e-5)
 
@@ -109,8 +109,8 @@ def test_gqa_equals_multi_head_attention_with_repeated_kv_heads(tiny_params):
             # query head j uses KV head j // g: repeat each KV head g times, contiguously
             attn[name] = {"w": jnp.repeat(w, g, axis=1).reshape(TINY.emb_size, -1)}
     tokens = random_tokens(7, (2, 11))
-    np.testing.assert_allclose(np.asarray(forward(params, tokens, mha).logits),
-                               np.asarray(forward(tiny_params, tokens, TINY).logits), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(forward(params, tokens, mha, backend=XLA()).logits),
+                               np.asarray(forward(tiny_params, tokens, TINY, backend=XLA()).logits), atol=1e-5)
 
 
 def test_attention_scores_depend_only_on_relative_position():
@@ -156,7 +156,7 @@ def test_moe_equals_per_token_loop(quantized, name, experts, top):
     config = dataclasses.replace(TINY, num_experts=experts, num_selected_experts=top)
     x = jax.random.normal(jax.random.PRNGKey(10), (2, 5, config.emb_size))
     probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(11), (2, 5, experts)) * 3)
-    params = nn.meta.unbox(MoELayer(config).init(jax.random.PRNGKey(12), x, probs)["params"])
+    params = nn.meta.unbox(MoELayer(config, XLA()).init(jax.random.PRNGKey(12), x, probs)["params"])
     if quantized:
         params = quantize_params(params, groups=4)
     backend, used = arranged({"moe": params}, name)
@@ -174,7 +174,7 @@ def test_grouped_moe_loops_when_one_expert_gets_more_than_a_group(name):
     x = jax.random.normal(jax.random.PRNGKey(13), (4, 10, config.emb_size))
     logits = jax.random.normal(jax.random.PRNGKey(14), (4, 10, 8)).at[..., :2].add(20.0)
     probs = jax.nn.softmax(logits)
-    params = nn.meta.unbox(MoELayer(config).init(jax.random.PRNGKey(15), x, probs)["params"])
+    params = nn.meta.unbox(MoELayer(config, XLA()).init(jax.random.PRNGKey(15), x, probs)["params"])
     backend, used = arranged({"moe": params}, name)
     got = np.asarray(MoELayer(config, backend).apply({"params": used["moe"]}, x, probs)).reshape(40, -1)
     want = slow_moe(np.asarray(x).reshape(40, -1), np.asarray(probs).reshape(40, -1), params, 2)
@@ -194,7 +194,7 @@ def test_tokens_past_their_rows_length_reach_no_expert(name):
     # valid tokens pick experts 0 and 1, the others 6 and 7
     logits = jax.random.normal(jax.random.PRNGKey(17), (3, 6, 8))
     probs = jax.nn.softmax(jnp.where(valid[..., None], logits.at[..., :2].add(20.0), logits.at[..., 6:].add(20.0)))
-    params = nn.meta.unbox(MoELayer(config).init(jax.random.PRNGKey(18), x, probs)["params"])
+    params = nn.meta.unbox(MoELayer(config, XLA()).init(jax.random.PRNGKey(18), x, probs)["params"])
     if name != "xla":
         params = jax.tree_util.tree_map(lambda w: w.at[6:].set(jnp.nan), params)
     backend, used = arranged({"moe": params}, name)
@@ -217,7 +217,7 @@ def test_weights_held_in_a_layout_of_the_wrong_shape_are_rejected(tiny_params):
 def test_every_backend_gives_the_same_logits_and_cache(tiny_params, name):
     tokens = random_tokens(16, (3, 7))
     backend, used = arranged(tiny_params, name)
-    want = np.asarray(forward(tiny_params, tokens, TINY).logits)
+    want = np.asarray(forward(tiny_params, tokens, TINY, backend=XLA()).logits)
     np.testing.assert_allclose(np.asarray(forward(used, tokens, TINY, backend=backend).logits), want, atol=1e-5)
     cached, _ = decode_all(used, tokens, prefill_len=3, backend=backend)
     np.testing.assert_allclose(cached, want, atol=ATOL)
@@ -227,9 +227,9 @@ def test_batch_above_one_with_int8_weights(tiny_params):
     """The reference crashes here (GROK1.md §8.5); each row must equal its batch-1 run."""
     qparams = quantize_params(tiny_params, groups=2)
     tokens = random_tokens(13, (4, 9))
-    batched = np.asarray(forward(qparams, tokens, TINY).logits)
+    batched = np.asarray(forward(qparams, tokens, TINY, backend=XLA()).logits)
     for i in range(4):
-        np.testing.assert_allclose(batched[i], np.asarray(forward(qparams, tokens[i:i + 1], TINY).logits)[0],
+        np.testing.assert_allclose(batched[i], np.asarray(forward(qparams, tokens[i:i + 1], TINY, backend=XLA()).logits)[0],
                                    atol=1e-5)
     cached, _ = decode_all(qparams, tokens, prefill_len=4)
     np.testing.assert_allclose(cached, batched, atol=ATOL)
@@ -238,8 +238,8 @@ def test_batch_above_one_with_int8_weights(tiny_params):
 def test_bf16_activations_track_fp32(tiny_params):
     bf16 = dataclasses.replace(TINY, fprop_dtype="bfloat16")
     tokens = random_tokens(14, (2, 12))
-    a = np.asarray(forward(tiny_params, tokens, TINY).logits)
-    b = np.asarray(forward(tiny_params, tokens, bf16).logits)
+    a = np.asarray(forward(tiny_params, tokens, TINY, backend=XLA()).logits)
+    b = np.asarray(forward(tiny_params, tokens, bf16, backend=XLA()).logits)
     assert np.isfinite(b).all()
     assert np.abs(a - b).mean() < 0.05 * np.abs(a).mean()
     cached, memory = decode_all(tiny_params, tokens, 5, config=bf16)
@@ -248,11 +248,11 @@ def test_bf16_activations_track_fp32(tiny_params):
 
 def test_memory_overflow_is_an_error_before_the_call(tiny_params):
     memory = new_memory(TINY, 2, sequence_len=8)
-    out = forward(tiny_params, random_tokens(15, (2, 6)), TINY, memory=memory)
+    out = forward(tiny_params, random_tokens(15, (2, 6)), TINY, memory=memory, backend=XLA())
     with pytest.raises(ValueError, match="overflow.*sequence_len is 8"):
-        forward(tiny_params, random_tokens(16, (2, 3)), TINY, memory=out.memory)
+        forward(tiny_params, random_tokens(16, (2, 3)), TINY, memory=out.memory, backend=XLA())
     # padding past the end is fine as long as the real tokens fit: 2 real of a 4-token chunk
-    out2 = forward(tiny_params, random_tokens(17, (2, 4)), TINY, memory=out.memory, lengths=[2, 2])
+    out2 = forward(tiny_params, random_tokens(17, (2, 4)), TINY, memory=out.memory, lengths=[2, 2], backend=XLA())
     np.testing.assert_array_equal(np.asarray(out2.memory.step), [8, 8])
 
 
@@ -260,14 +260,14 @@ def test_padding_past_the_end_is_dropped_not_clamped(tiny_params):
     """Inside jit the overflow check cannot run; pad positions past S must not overwrite valid ones."""
     tokens = random_tokens(18, (1, 8))
     memory = new_memory(TINY, 1, sequence_len=8)
-    step = jax.jit(lambda p, t, m, n: forward(p, t, TINY, memory=m, lengths=n))
+    step = jax.jit(lambda p, t, m, n: forward(p, t, TINY, memory=m, lengths=n, backend=XLA()))
     first = step(tiny_params, tokens[:, :6], memory, jnp.array([6]))
     chunk = np.concatenate([tokens[:, 6:8], random_tokens(19, (1, 4))], axis=1)  # 2 real + 4 pad
     second = step(tiny_params, chunk, first.memory, jnp.array([2]))
     for layer in range(TINY.num_layers):
         np.testing.assert_array_equal(np.asarray(second.memory.k[layer][0, :, :6]),
                                       np.asarray(first.memory.k[layer][0, :, :6]))
-    full = np.asarray(forward(tiny_params, tokens, TINY).logits)
+    full = np.asarray(forward(tiny_params, tokens, TINY, backend=XLA()).logits)
     np.testing.assert_allclose(np.asarray(second.logits)[:, :2], full[:, 6:8], atol=ATOL)
 
 
@@ -275,8 +275,8 @@ def test_any_batch_size_and_last_only(tiny_params):
     for b in (1, 5):
         tokens = random_tokens(20 + b, (b, 6))
         lengths = np.arange(b) % 6 + 1
-        full = np.asarray(forward(tiny_params, tokens, TINY, lengths=lengths).logits)
-        last = np.asarray(forward(tiny_params, tokens, TINY, lengths=lengths, last_only=True).logits)
+        full = np.asarray(forward(tiny_params, tokens, TINY, lengths=lengths, backend=XLA()).logits)
+        last = np.asarray(forward(tiny_params, tokens, TINY, lengths=lengths, last_only=True, backend=XLA()).logits)
         np.testing.assert_allclose(last[:, 0], full[np.arange(b), lengths - 1], atol=1e-5)
 
 
@@ -285,11 +285,11 @@ def test_forward_under_a_mesh_matches_single_device(tiny_params):
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
     tokens = random_tokens(30, (4, 8))
-    want = np.asarray(forward(tiny_params, tokens, TINY).logits)
+    want = np.asarray(forward(tiny_params, tokens, TINY, backend=XLA()).logits)
     sharded_tokens = jax.device_put(tokens, NamedSharding(mesh, P("data", None)))
     memory = jax.device_put(new_memory(TINY, 4), NamedSharding(mesh, P("data")))
     with jax.set_mesh(mesh):
-        got = jax.jit(lambda p, t, m: forward(p, t, TINY, memory=m))(tiny_params, sharded_tokens, memory)
+        got = jax.jit(lambda p, t, m: forward(p, t, TINY, memory=m, backend=XLA()))(tiny_params, sharded_tokens, memory)
     np.testing.assert_allclose(np.asarray(got.logits), want, atol=1e-5)
     assert isinstance(got.memory, KVMemory)
 
@@ -313,7 +313,7 @@ def test_the_moe_on_ragged_dot_has_the_gradient_of_every_expert_on_every_token()
     config = dataclasses.replace(TINY, num_experts=4, num_selected_experts=2)
     x = jax.random.normal(jax.random.PRNGKey(20), (2, 6, config.emb_size))
     probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(21), (2, 6, 4)) * 3)
-    params = nn.meta.unbox(MoELayer(config).init(jax.random.PRNGKey(22), x, probs)["params"])
+    params = nn.meta.unbox(MoELayer(config, XLA()).init(jax.random.PRNGKey(22), x, probs)["params"])
 
     def dense(p, x):
         gates, idx = jax.lax.top_k(probs, 2)

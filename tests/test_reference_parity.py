@@ -12,6 +12,7 @@ import pytest
 
 from checkpoints.grok1_layout import load_original, original_leaf_paths
 from checkpoints.safe_pickle import CheckpointError, read_pickled_tensor
+from backends import XLA
 from model import GROK_1_REFERENCE_TINY, QuantizedWeight8bit, forward, new_memory
 from model.layers import DecoderLayer
 from model.transformer import LanguageModelHead, attention_mask
@@ -52,7 +53,7 @@ def test_each_layer_matches_fp32_intermediates(reference_dir, ref_params):
     positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
     mask = attention_mask(jnp.asarray(tokens), jnp.full((b,), t), FP32.pad_token)
     h = saved["embed_in"]
-    layer = jax.jit(lambda p, h: DecoderLayer(FP32).apply({"params": p}, h, positions_BT=positions, mask_BTS=mask,
+    layer = jax.jit(lambda p, h: DecoderLayer(FP32, XLA()).apply({"params": p}, h, positions_BT=positions, mask_BTS=mask,
                                                           mutable=["intermediates"]))  # one compile, 12 calls
     for i in range(FP32.num_layers):
         _, state = layer(ref_params["transformer"][f"decoder_layer_{i}"], jnp.asarray(h))
@@ -156,7 +157,7 @@ def test_right_padded_prompt_matches_reference_argmax(reference_dir, ref_params)
     tokens = np.load(reference_dir / "tokens_padded.npy")
     want = np.load(reference_dir / "logits_padded.npy")
     real = int((tokens[0] != 0).sum())
-    got = np.asarray(forward(ref_params, tokens, FP32).logits)
+    got = np.asarray(forward(ref_params, tokens, FP32, backend=XLA()).logits)
     np.testing.assert_array_equal(got[0, :real].argmax(-1), want[0, :real].argmax(-1))
 
 
@@ -164,10 +165,10 @@ def test_greedy_prefill_and_cached_decode_reproduce_reference(reference_dir, ref
     want = np.load(reference_dir / "decode_tokens.npy").tolist()
     padded = np.load(reference_dir / "tokens_padded.npy")  # bucket 16, as the reference prefilled
     real = int((padded[0] != 0).sum())
-    out = forward(ref_params, padded, FP32, memory=new_memory(FP32, 1), lengths=[real], last_only=True)
+    out = forward(ref_params, padded, FP32, memory=new_memory(FP32, 1), lengths=[real], last_only=True, backend=XLA())
     tokens, memory = [int(out.logits[0, -1].argmax())], out.memory
     while len(tokens) < len(want):
-        out = forward(ref_params, np.array([[tokens[-1]]]), FP32, memory=memory)
+        out = forward(ref_params, np.array([[tokens[-1]]]), FP32, memory=memory, backend=XLA())
         tokens.append(int(out.logits[0, -1].argmax()))
         memory = out.memory
     assert tokens == want

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from backends import XLA
 from model import TINY, forward, init_params
 from runner import InferenceRunner, ModelRunner, Request, sample_from_model
 from runner.compile_count import compilations
@@ -33,7 +34,7 @@ def runner(params, test_tokenizer):
 @pytest.fixture(scope="session")
 def greedy_reference(params):
     """Greedy continuation by full forward passes without any cache (one compile: fixed padding)."""
-    fwd = jax.jit(lambda p, t, n: forward(p, t, CONFIG, lengths=n).logits)
+    fwd = jax.jit(lambda p, t, n: forward(p, t, CONFIG, lengths=n, backend=XLA()).logits)
 
     def generate(prompt, n, eos=None):
         seq = list(prompt)
@@ -241,7 +242,7 @@ def test_the_four_functions_are_usable_on_their_own(runner, params):
     engine = runner.runner
     tokens = np.array([prompt_ids(90, 8)], np.int32)
     logits = engine.forward(engine.params, tokens, np.array([8]))
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(forward(params, tokens, CONFIG).logits), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(forward(params, tokens, CONFIG, backend=XLA()).logits), atol=1e-5)
     state = engine.new_state()
     batch = empty_batch(2, 8, runner.batch_size, vocab_size=CONFIG.vocab_size)  # one request in slot 2, a padding row
     batch.slots[0], batch.tokens[0], batch.lengths[0] = 2, tokens[0], 8

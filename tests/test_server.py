@@ -599,6 +599,7 @@ def test_two_processes_behind_one_server(test_tokenizer):
     runs the same steps. Greedy answers equal full forwards of the same parameters on one device,
     and each answer in a shared round equals the same request alone. (One process of 8 devices
     against two: ``test_sharding``'s two-process test, with -m slow.)"""
+    from backends import XLA
     from model import forward
     from runner.tokenizer import Tokenizer
     from tests.test_sharding import REPO, free_port
@@ -615,7 +616,7 @@ def test_two_processes_behind_one_server(test_tokenizer):
                 ("the ball", dict(temperature=0.9, top_p=0.9, seed=4))]
         # while the two processes start: the greedy answers by full forwards without a cache
         tokenizer, params = Tokenizer(test_tokenizer), multihost_params()
-        fwd = jax.jit(lambda t, n: forward(params, t, MULTIHOST, lengths=n).logits)
+        fwd = jax.jit(lambda t, n: forward(params, t, MULTIHOST, lengths=n, backend=XLA()).logits)
         want = []
         for prompt, _ in asks[:2]:
             ids, out = tokenizer.encode(prompt), []

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from backends.cpu import ops as panel
 from backends.cpu.layout import ExpertWeights
+from backends import XLA
 from model import GROK_1, TINY, forward, init_params, new_memory
 from model.plan import abstract_params, memory_plan
 from model.sharding import (DEFAULT_RULES, EXPERT_PARALLEL_RULES, logical_axes, make_mesh, memory_specs, param_specs,
@@ -129,7 +130,7 @@ def plain_params():
 def single_device_logits(plain_params):
     tokens = np.array([p + [0] * (20 - len(p)) for p in PROMPTS], np.int32)
     lengths = np.array([len(p) for p in PROMPTS])
-    return tokens, lengths, np.asarray(forward(plain_params, tokens, SHARD, lengths=lengths).logits)
+    return tokens, lengths, np.asarray(forward(plain_params, tokens, SHARD, lengths=lengths, backend=XLA()).logits)
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +220,7 @@ SCALE_GROUP_CASES += [pytest.param(g, shape, marks=pytest.mark.slow) for g in (1
 def test_scale_groups_work_on_any_model_axis(plain_params, groups, shape):
     qparams = quantize_params(plain_params, groups=groups)
     tokens = np.array([PROMPTS[2]], np.int32)
-    want = np.asarray(forward(qparams, tokens, SHARD).logits)
+    want = np.asarray(forward(qparams, tokens, SHARD, backend=XLA()).logits)
     mesh = make_mesh(shape, jax.devices()[: shape[0] * shape[1]])
     engine = ModelRunner(model=SHARD, params=qparams, backend="xla")  # stacked, as stored
     engine.initialize(mesh, batch_size=8)

@@ -16,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from backends import XLA
 import numpy as np
 
 from train import data
@@ -50,7 +51,7 @@ def heldout_loss(checkpoint_dir: str, max_windows: int | None = None) -> float:
     total, count = 0.0, 0
     for i in range(0, len(windows), BATCH):
         tokens = jnp.asarray(windows[i:i + BATCH])
-        logits = forward(restored.params, tokens, restored.config).logits
+        logits = forward(restored.params, tokens, restored.config, backend=XLA()).logits
         logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
         nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
         total += float(jnp.sum(nll))
@@ -65,7 +66,7 @@ def expert_usage(checkpoint_dir: str, max_windows: int | None = None) -> np.ndar
 
     restored, _ = _load(checkpoint_dir)
     c = restored.config
-    lm = LanguageModel(c)
+    lm = LanguageModel(c, XLA())
 
     @jax.jit
     def counts(params, tokens):
