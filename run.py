@@ -283,6 +283,7 @@ def serve(argv) -> int:
     import jax
 
     from checkpoints import CheckpointError
+    from checkpoints.materialize import resolve_config
     from runner import InferenceRunner, ModelRunner
     from runner.runner import default_checkpoint
     from server import Limits, Server, serve_forever
@@ -291,7 +292,8 @@ def serve(argv) -> int:
     if checkpoint is None or not os.path.isdir(checkpoint):
         p.error(f"--checkpoint {checkpoint!r} is not a directory")
     try:
-        runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, model=args.config,
+        config = None if args.config is None else resolve_config(args.config)  # a preset name or a JSON file
+        runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, model=config,
                                                     backend=args.backend, kv_dtype=args.kv_dtype,
                                                     quantize=args.quantize, dtype=args.dtype),
                                  tokenizer_path=args.tokenizer, batch_size=args.batch_size,
@@ -301,11 +303,11 @@ def serve(argv) -> int:
                                  **({} if args.max_num_batched_tokens is None
                                     else {"max_num_batched_tokens": args.max_num_batched_tokens}),
                                  **prefix_cache_of(args))
-        runner.initialize()
+        runner = runner.initialize()
         if jax.process_index() != 0:  # several hosts: follow process 0's rounds until it stops
-            runner.core.broadcast = True
+            runner.engine.broadcast = True
             print(f"process {jax.process_index()}: following process 0", file=sys.stderr)
-            runner.core.follow()
+            runner.engine.follow()
             jax.distributed.shutdown()
             return 0
         server = Server(runner, args.model_name or os.path.basename(os.path.normpath(checkpoint)),
@@ -389,7 +391,7 @@ def generate(parser, args, start: float) -> int:
                                kv_dtype=args.kv_dtype, quantize=args.quantize),
             tokenizer_path=args.tokenizer, local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
             batch_size=args.batch_size, speculative=args.speculative)
-        runner.initialize()
+        runner = runner.initialize()
         for r in requests:
             runner.prepare(r)
     except (ValueError, CheckpointError) as e:
@@ -430,7 +432,7 @@ def generate(parser, args, start: float) -> int:
     rate = max(generated - len(requests), 0) / max(end - (first_token or end), 1e-9)
     print(("\ninterrupted: " if interrupted else "") + f"time to first token {ttft:.2f} s (command start, "
           f"compile included), {rate:.1f} tokens/s after it ({generated} tokens, {len(requests)} prompts, batch "
-          f"{runner.batch_size}), {compilations()} compilations ({cache_hits()} from the compilation cache)",
+          f"{runner.num_slots}), {compilations()} compilations ({cache_hits()} from the compilation cache)",
           file=sys.stderr)
     return 130 if interrupted else 0
 

@@ -33,7 +33,7 @@ from backends.cpu import build, ops as panel
 from bench.common import BENCH, busy, expected_experts, median_time, serve
 from backends import XLA
 from model import init_params
-from runner import InferenceRunner, ModelRunner, Request
+from runner import Executor, InferenceRunner, ModelRunner, Request
 
 # About 290M parameters in all, 89M active per token (2 of 8 experts): the benchmark config.
 # ---- the machine's limits --------------------------------------------------------------------
@@ -123,8 +123,8 @@ def interleaved_steps(params, config, batches, context: int, steps: int, rounds:
     engines, steps_fn, states, times = {}, {}, {}, {b: [] for b in batches}
     for b in batches:
         engines[b] = ModelRunner(model=config, params=params)
-        engines[b].initialize(batch_size=b)
-        steps_fn[b] = engines[b].sample_step.variant(kv_len=1 << (context - 1).bit_length(), steps=steps)
+        engines[b] = Executor.create(engines[b], batch_size=b)
+        steps_fn[b] = engines[b]._decode.variant(kv_len=1 << (context - 1).bit_length(), steps=steps)
         states[b] = engines[b].new_state()
     tokens = {b: np.random.default_rng(b).integers(4, config.vocab_size, b).astype(np.int32) for b in batches}
     for i in range(rounds + 1):  # the first round compiles and warms up
@@ -192,7 +192,7 @@ def main(argv=None):
         start = time.perf_counter()
         runner = InferenceRunner(runner=ModelRunner(model=BENCH, params=params), batch_size=batch,
                                  pad_sizes=prompts, decode_steps=args.decode_steps)
-        runner.initialize()
+        runner = runner.initialize()
         compile_s = time.perf_counter() - start
         for prompt_len in prompts:
             before = probe()

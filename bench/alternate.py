@@ -33,7 +33,7 @@ params = init_params(BENCH, jax.random.PRNGKey(0))
 rows = []
 for batch in map(int, sys.argv[1].split(",")):
     runner = InferenceRunner(runner=ModelRunner(model=BENCH, params=params), batch_size=batch, pad_sizes=(128,))
-    runner.initialize()
+    runner = runner.initialize()
     serve(runner, batch, 100, 8, seed=99)  # warm-up: every bucket compiled
     rows.append({"batch": batch, **serve(runner, batch, 100, 64, seed=0)})
 print("ROWS " + json.dumps(rows))

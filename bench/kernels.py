@@ -109,7 +109,7 @@ def main(argv=None) -> None:
         for batch in (1, 8):
             runner = InferenceRunner(runner=model_runner(setting, model=BENCH, params=params),
                                      batch_size=batch, pad_sizes=(128,))
-            runner.initialize()
+            runner = runner.initialize()
             runners[name, batch] = runner
             if name == "default":
                 print(f"default at batch {batch}:\n  " + runner.backend_report().replace("\n", "\n  "))

@@ -20,7 +20,7 @@ import numpy as np
 
 from bench.common import BENCH, busy, cpu
 from model import init_params
-from runner import ModelRunner
+from runner import Executor, ModelRunner
 
 
 def main(argv=None):
@@ -47,7 +47,7 @@ def main(argv=None):
         engines = {}
         for kv in kv_dtypes:
             engines[kv] = ModelRunner(model=c, params=params, kv_dtype=kv)
-            engines[kv].initialize(batch_size=b)
+            engines[kv] = Executor.create(engines[kv], batch_size=b)
             print(f"batch {b}, {kv} KV: {engines[kv].backend_report().splitlines()[0]}; attention "
                   f"{'kernel' if 'attention' in getattr(engines[kv].selection.backend, 'on', ()) else 'XLA'}")
         for n in contexts:
@@ -57,7 +57,7 @@ def main(argv=None):
             times = {kv: [] for kv in engines}
             for i in range(args.repeats + 1):
                 for kv, engine in engines.items():  # taking turns: the host's bandwidth moves
-                    step = engine.sample_step.variant(kv_len=n, steps=args.steps)
+                    step = engine._decode.variant(kv_len=n, steps=args.steps)
                     start = time.perf_counter()
                     states[kv], out = step(engine.params, states[kv], engine.no_mask)
                     jax.block_until_ready(out)

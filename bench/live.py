@@ -26,7 +26,7 @@ import numpy as np
 
 from bench.common import BENCH, busy, cpu
 from model import init_params
-from runner import InferenceRunner, ModelRunner, Request
+from runner import Executor, InferenceRunner, ModelRunner, Request
 
 
 def with_live(engine, state, live: int, position: int, tokens: np.ndarray):
@@ -56,8 +56,8 @@ def main(argv=None) -> None:
         key = (slots, live)
         if slots not in {s for s, _ in runs}:
             engine = ModelRunner(model=BENCH, params=params)
-            engine.initialize(batch_size=slots)
-            step = engine.sample_step.variant(kv_len=kv_len, steps=args.steps)
+            engine = Executor.create(engine, batch_size=slots)
+            step = engine._decode.variant(kv_len=kv_len, steps=args.steps)
             tokens = np.random.default_rng(slots).integers(4, BENCH.vocab_size, slots).astype(np.int32)
             shared = [engine, step, engine.new_state(), tokens]
         else:
@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     if args.prefill:
         runner = InferenceRunner(runner=ModelRunner(model=BENCH, params=params), batch_size=1,
                                  pad_sizes=(BENCH.sequence_len,) if args.buckets == "context" else None)
-        runner.initialize()
+        runner = runner.initialize()
         rng = np.random.default_rng(0)
         for length in [int(x) for x in args.prefill.split(",")]:
             ids = rng.integers(4, BENCH.vocab_size, length).tolist()

@@ -38,8 +38,8 @@ from bench.__main__ import LimitsProbe
 from bench.common import BENCH, cpu, expected_experts, median_time
 from bench.speculation import decode_rate
 from model import init_params
-from runner import InferenceRunner, ModelRunner, Request
-from runner.scheduler import empty_batch
+from runner import Executor, InferenceRunner, ModelRunner, Request
+from runner.batches import empty_batch
 
 WAYS = {"float32": ("float32", None), "bf16": ("bfloat16", None), "int8 x float32": ("float32", "int8"),
         "int8 x bf16": ("bfloat16", "int8")}
@@ -118,7 +118,7 @@ def ours(args, limits: LimitsProbe) -> list[dict]:
         for way, (dtype, quantize) in WAYS.items():
             model = ModelRunner(model=BENCH, params=params, dtype=dtype, quantize=quantize)
             runners[way] = InferenceRunner(runner=model, batch_size=b, pad_sizes=(64,), decode_steps=2)
-            runners[way].initialize()
+            runners[way] = runners[way].initialize()
             print(f"batch {b}, {way}: {model.backend_report()}", flush=True)
         rng = np.random.default_rng(b)
         prompts = [rng.integers(4, BENCH.vocab_size, 64).tolist() for _ in range(b)]
@@ -139,19 +139,19 @@ def ours(args, limits: LimitsProbe) -> list[dict]:
     models = {}
     for way, (dtype, quantize) in WAYS.items():
         models[way] = ModelRunner(model=BENCH, params=params, dtype=dtype, quantize=quantize)
-        models[way].initialize(batch_size=1)
+        models[way] = Executor.create(models[way], batch_size=1)
     for tokens in args.prefill:
         batch = empty_batch(1, tokens, 1, vocab_size=BENCH.vocab_size)
-        batch.slots[0], batch.lengths[0], batch.reset[0] = 0, tokens, True
+        batch.slots[0], batch.lengths[0], batch.first[0] = 0, tokens, True
         batch.tokens[0] = np.random.default_rng(tokens).integers(4, BENCH.vocab_size, tokens)
         for model in models.values():
-            jax.block_until_ready(model.run_prefill(batch, tokens))  # compiles
+            jax.block_until_ready(model.prefill_memory(batch, tokens))  # compiles
         took = {way: [] for way in WAYS}
         limits()
         for _ in range(args.repeats):
             for way, model in models.items():
                 start = time.perf_counter()
-                jax.block_until_ready((model.run_prefill(batch, tokens), model.state))
+                jax.block_until_ready((model.prefill_memory(batch, tokens), model.state))
                 took[way].append(time.perf_counter() - start)
         for way in WAYS:
             seconds = statistics.median(took[way])

@@ -25,7 +25,7 @@ import numpy as np
 
 from bench.common import BENCH, busy
 from model import init_params
-from runner import ModelRunner
+from runner import Executor, ModelRunner
 from runner.sampling import SampleSettings
 
 SETTINGS = {  # name: (temperature, top-p, top-k)
@@ -51,10 +51,8 @@ def main(argv=None):
     print("|---:|" + "---:|" * (3 * len(SETTINGS)))
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
-        engines = {True: ModelRunner(model=BENCH, params=params, backend="cpu"),
-                   False: ModelRunner(model=BENCH, params=params, backend="xla")}
-        for engine in engines.values():
-            engine.initialize(batch_size=b)
+        engines = {True: Executor.create(ModelRunner(model=BENCH, params=params, backend="cpu"), batch_size=b),
+                   False: Executor.create(ModelRunner(model=BENCH, params=params, backend="xla"), batch_size=b)}
         rng = np.random.default_rng(b)
         tokens = rng.integers(4, BENCH.vocab_size, b).astype(np.int32)
         variants = [(name, kernel) for name in SETTINGS for kernel in (False, True)]
@@ -68,7 +66,7 @@ def main(argv=None):
             keys = rng.integers(0, 2**32, (b, 2), dtype=np.uint32)  # each slot its own draws
             states[name, kernel] = engine.new_state().replace(settings=jax.device_put(settings, sh.settings),
                                                               keys=jax.device_put(keys, sh.keys))
-            steps[name, kernel] = engine.sample_step.variant(kv_len=args.context, steps=args.steps)
+            steps[name, kernel] = engine._decode.variant(kv_len=args.context, steps=args.steps)
         for i in range(args.repeats + 1):  # the first round compiles and warms up
             for v in variants:
                 engine = engines[v[1]]

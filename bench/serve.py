@@ -206,7 +206,7 @@ def main(argv=None) -> None:
         save(checkpoint, init_params(config, jax.random.PRNGKey(0)), config, tokenizer=tokenizer_file)
     # this process's own runner, for the run() baseline and the workload's tokenizer
     runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint), batch_size=args.batch_size)
-    runner.initialize()
+    runner = runner.initialize()
     results = {"cpu": cpu(), "machine": platform.machine(), "batch_size": args.batch_size, "model": args.model}
     print(f"CPU: {results['cpu']}; {args.model} model, batch {args.batch_size}, {args.requests} requests a rate")
     port = free_port()

@@ -91,7 +91,7 @@ def bench_config(args, limits: LimitsProbe) -> list[dict]:
             model = ModelRunner(model=BENCH, params=params, quantize=None if way == "float32" else "int8")
             runners[way] = InferenceRunner(runner=model, batch_size=b, pad_sizes=(64,), decode_steps=2,
                                            speculative=args.speculative if "speculation" in way else 0)
-            runners[way].initialize()
+            runners[way] = runners[way].initialize()
             print(f"batch {b}, {way}: {model.backend_report().splitlines()[0]}", flush=True)
         rng = np.random.default_rng(b)
         prompts = [rng.integers(4, BENCH.vocab_size, 64).tolist() for _ in range(b)]
@@ -126,9 +126,9 @@ def shipped(args) -> list[dict]:
 
     runner = InferenceRunner(runner=ModelRunner(checkpoint_path=default_checkpoint()), batch_size=1,
                              speculative=args.speculative)
-    runner.initialize()
+    runner = runner.initialize()
     plainly = InferenceRunner(runner=ModelRunner(checkpoint_path=default_checkpoint()), batch_size=1)
-    plainly.initialize()
+    plainly = plainly.initialize()
     passage = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
                "in want of a wife. However little known the feelings or views of such a man may be on his first "
                "entering a neighbourhood, this truth is so well fixed in the minds of the surrounding families, "
@@ -159,10 +159,9 @@ def shipped(args) -> list[dict]:
 # child of this (large) process would report the parent's size.
 MEMORY_CHILD = """
 import sys, time, numpy as np
-from runner import ModelRunner
+from runner import Executor, ModelRunner
 start = time.perf_counter()
-m = ModelRunner(checkpoint_path=sys.argv[1], backend="cpu", dequantize=sys.argv[2] == "1")
-m.initialize(batch_size=1)
+m = Executor.create(ModelRunner(checkpoint_path=sys.argv[1], backend="cpu", dequantize=sys.argv[2] == "1"), batch_size=1)
 m.forward(m.params, np.ones((1, 8), np.int32), np.array([8], np.int32)).block_until_ready()
 peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(peak, time.perf_counter() - start)

@@ -66,7 +66,7 @@ def main(argv=None):
     p.add_argument("--out", default="bench/structured.json")
     args = p.parse_args(argv)
     runner = InferenceRunner(runner=ModelRunner(checkpoint_path=default_checkpoint()), batch_size=args.batch)
-    runner.initialize()
+    runner = runner.initialize()
     b = args.batch
     workloads = {"free": 0, "half under the schema": b // 2, "all under the schema": b}
     times = {name: [] for name in workloads}

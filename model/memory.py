@@ -100,17 +100,6 @@ class KVMemory:
     def sequence_len(self) -> int:
         return self.k[0].shape[2]
 
-    def row(self, slot) -> "KVMemory":
-        """Row ``slot`` (traced or concrete) as a one-row memory: ``[1, K, S, H]`` leaves."""
-        take = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)  # noqa: E731
-        return jax.tree_util.tree_map(take, self)
-
-    def with_row(self, slot, row: "KVMemory") -> "KVMemory":
-        """This memory with row ``slot`` replaced by the one-row memory ``row``; other rows are
-        untouched (rows are independent), and with a donated buffer XLA writes in place."""
-        put = lambda full, r: jax.lax.dynamic_update_slice_in_dim(full, r.astype(full.dtype), slot, axis=0)  # noqa: E731
-        return jax.tree_util.tree_map(put, self, row)
-
     def check_fits(self, lengths) -> None:
         """Raise ``ValueError`` if writing ``lengths`` more tokens would pass ``sequence_len``.
 

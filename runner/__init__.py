@@ -1,9 +1,18 @@
-"""Serving: the four jit-compiled functions (``ModelRunner``), batch slots, pad buckets, sampling,
-tokenization, the request queue and the streaming ``run()`` (``InferenceRunner``). No model math.
+"""Serving: the client-facing ``InferenceRunner`` and the ``Engine`` behind it (a round is the
+``Scheduler``'s plan, the ``Executor``'s device calls, the ``OutputProcessor``'s events), batch
+slots, pad buckets, sampling, tokenization and the streaming ``run()``. No model math.
+
+Who holds what: ``ModelRunner`` (``model_runner.py``) says which model and how; ``Executor``
+(``executor.py``) the parameters, the decode state and the jitted steps (``steps.py``;
+speculation's in ``speculative.py``); ``Scheduler`` (``scheduler.py``) the requests, slots and KV
+blocks (the prefix cache's index, ``prefix_cache.py``); ``OutputProcessor`` (``outputs.py``)
+detokenizers, grammar matchers and events; ``Engine`` (``engine.py``) the rounds and the client
+API; ``InferenceRunner`` (``runner.py``) the reference's fields and the streams.
 """
 
-from runner.core import EngineCore
-from runner.engine import ModelRunner
+from runner.engine import Engine
+from runner.executor import Executor
+from runner.model_runner import ModelRunner
 from runner.requests import Request, RequestError, TokenEvent
 from runner.runner import Completion, InferenceRunner, RunStream, default_pad_sizes, sample_from_model
 from runner.sampling import SampleOutput, SampleSettings, sample_token
@@ -12,8 +21,7 @@ from runner.state import DecodeState, PrefillBatch
 from runner.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = [
-    "Completion", "DecodeState", "EngineCore", "PrefillBatch", "IncrementalDetokenizer", "InferenceRunner", "ModelRunner",
-    "Request", "RequestError", "RunStream", "Scheduler", "SampleOutput", "SampleSettings", "TokenEvent", "Tokenizer",
-    "default_pad_sizes",
-    "sample_from_model", "sample_token",
+    "Completion", "DecodeState", "Engine", "Executor", "IncrementalDetokenizer", "InferenceRunner", "ModelRunner",
+    "PrefillBatch", "Request", "RequestError", "RunStream", "Scheduler", "SampleOutput", "SampleSettings",
+    "TokenEvent", "Tokenizer", "default_pad_sizes", "sample_from_model", "sample_token",
 ]

@@ -3,7 +3,7 @@
 A request with ``{"type": "json_object"}`` or ``{"type": "json_schema", ...}`` gets a ``Matcher``.
 Each decode step the engine asks it for a bitmask of the allowed next tokens, masks the logits on
 device, samples, and feeds the sampled token back with ``accept``. When the JSON is complete
-(``done``: only EOS may follow) the engine core ends the request at once (``runner/core.py``).
+(``done``: only EOS may follow) the engine ends the request at once (``runner/outputs.py``).
 
 The grammar engine is llguidance (an Earley parser over a lexer, walking a trie of the vocabulary
 for each mask). The three maintained engines, measured on a shared, loaded 2-core CPU (so +-50%):
@@ -223,7 +223,7 @@ class TokenGrammar:
         cannot start (no document at all, or a first object or array wider than a step's item
         budget) is then this request's ValueError rather than an error once it generates. Deeper
         rows are not probed: an engine error there ends its request alone, as the schema's fault
-        (runner/core.py)."""
+        (runner/outputs.py)."""
         words = np.zeros(self.num_words, np.int32)
 
         def allowed(matcher) -> list[int]:

@@ -8,15 +8,16 @@ all slots and streams one ``TokenEvent`` per generated token; a request that end
 token, ``max_len``, cancellation or an error of its own) frees its slot for the next waiting
 request while the others keep decoding.
 
-The rounds belong to the runner's ``EngineCore`` (``runner/core.py``), the device state and the
-jitted steps to its ``ModelRunner`` (``runner/engine.py``). The streams of ``run()``,
-``generate()`` and ``sample_from_model()`` are the core's clients: each submits requests and
-reads only its own requests' events, so any number of them can be live at once, in one thread
-or several, and each gets exactly the tokens it would get alone."""
+The rounds belong to the runner's ``Engine`` (``runner/engine.py``: scheduler, executor, output
+processor). The streams of ``run()``, ``generate()`` and ``sample_from_model()`` are the engine's
+clients: each submits requests and reads only its own requests' events, so any number of them can
+be live at once, in one thread or several, and each gets exactly the tokens it would get alone.
+
+``InferenceRunner`` is frozen: its fields say what to serve and how (the reference runner's
+names); ``initialize()`` attaches the ready ``Engine`` once."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import os
 from typing import Iterable, Optional, Sequence
@@ -25,11 +26,13 @@ import jax
 import numpy as np
 
 from model.sharding import make_mesh
-from runner.core import EngineCore, Inbox
-from runner.engine import ModelRunner
-from runner.requests import MAX_SPECULATIVE, Request, TokenEvent
+from runner.engine import Engine, Inbox
+from runner.executor import Executor
+from runner.model_runner import ModelRunner
+from runner.outputs import OutputProcessor
 from runner.prefix_cache import PrefixCache
-from runner.scheduler import Scheduler, chunk_lengths, smallest_at_least
+from runner.requests import MAX_SPECULATIVE, Request, TokenEvent
+from runner.scheduler import Scheduler, chunk_lengths
 from runner.state import MAX_STOP_IDS
 from runner.tokenizer import Tokenizer
 
@@ -71,7 +74,7 @@ class Completion:
     error: Optional[str] = None  # with finish_reason "error": what went wrong
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class InferenceRunner:
     """Serves a model: ``initialize()`` once, then ``run()`` (or ``generate``/``sample_from_model``).
 
@@ -114,12 +117,56 @@ class InferenceRunner:
     # BENCHMARKS.md measures where it helps.
     speculative: int = 0
 
-    def initialize(self, warmup: bool = True) -> None:
-        mesh = self.mesh or self.runner.mesh
-        if mesh is None:
-            shape = tuple(a * b for a, b in zip(self.local_mesh_config, self.between_hosts_config))
-            devices = jax.devices()[: shape[0] * shape[1]]
-            mesh = make_mesh(shape, devices)
+    def initialize(self, warmup: bool = True) -> "InferenceRunner":
+        """Make it ready to serve (the reference's call): restore the model onto the mesh, build the
+        engine (``Engine``: scheduler, executor, output processor) and, with ``warmup``, compile
+        every variant the scheduler can ask for. The fields never change; the engine is attached
+        once (``engine``). Returns the runner."""
+        if getattr(self, "_engine", None) is not None:
+            raise RuntimeError("InferenceRunner.initialize() was already called")
+        object.__setattr__(self, "_engine", _build_engine(self))
+        if warmup:
+            self.compile()
+        return self
+
+    @property
+    def engine(self) -> Engine:
+        engine = getattr(self, "_engine", None)
+        if engine is None:
+            raise RuntimeError("the InferenceRunner is not ready: call initialize() first")
+        return engine
+
+    @property
+    def config(self):
+        """The served model's ``ModelConfig`` (as restored, in the activations' dtype)."""
+        return self.engine.executor.config
+
+    @property
+    def num_slots(self) -> int:
+        """The batch slots it serves in (``batch_size``, or ``runner.bs_per_device`` x devices)."""
+        return self.engine.executor.batch_size
+
+    @property
+    def tokenizer(self) -> Optional[Tokenizer]:
+        return self.engine.outputs.tokenizer
+
+    def compile(self) -> int:
+        """Compile every variant a request can reach now (``Engine.compile``), so serving never
+        compiles. Returns how many there are."""
+        return self.engine.compile(score_prompts=self.score_prompts)
+
+    def _check_pad_sizes(self, sequence_len: int) -> tuple[int, ...]:
+        s = sequence_len
+        if self.pad_sizes is None:
+            return default_pad_sizes(s, self.max_num_batched_tokens)
+        sizes = tuple(self.pad_sizes)
+        if not sizes or any(not isinstance(p, (int, np.integer)) or isinstance(p, bool) or not 0 < p <= s
+                            for p in sizes):
+            raise ValueError(f"pad_sizes must be positive integers <= sequence_len ({s}), got {self.pad_sizes!r}")
+        return tuple(sorted(set(int(p) for p in sizes)))
+
+    def _check_fields(self) -> None:
+        """``ValueError`` naming the first field that is out of range, before anything is loaded."""
         blocks, size = self.prefix_cache_blocks, self.prefix_block_size
         checks = [("prefix_cache_bytes", self.prefix_cache_bytes, 0, ""), ("prefix_block_size", size, 1, "")]
         if blocks != "auto":
@@ -130,112 +177,46 @@ class InferenceRunner:
         if blocks and self.prefix_cache_bytes:
             raise ValueError(f"give prefix_cache_blocks ({blocks}) or prefix_cache_bytes "
                              f"({self.prefix_cache_bytes}), not both")
-        self.runner.initialize(mesh, self.batch_size, blocks, size, self.prefix_cache_bytes)
-        blocks = self.prefix_cache_blocks = self.runner.prefix_blocks
-        self.mesh, self.config = self.runner.mesh, self.runner.model
-        self.batch_size = self.runner.batch_size
         budget = self.max_num_batched_tokens
         if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
             raise ValueError(f"max_num_batched_tokens must be a positive integer, got {budget!r}")
-        self.pad_sizes = self._check_pad_sizes(self.pad_sizes)
-        self.kv_buckets = default_kv_buckets(self.config.sequence_len)
-        prefix = None
-        if blocks:
-            if any(kv % size for kv in self.kv_buckets):
-                raise ValueError(f"prefix_block_size {size} must divide every KV bucket {self.kv_buckets} "
-                                 f"(sequence_len {self.config.sequence_len})")
-            identity = repr((self.config, self.runner.checkpoint_path)).encode()  # blocks of one model
-            prefix = PrefixCache(blocks, size, identity)
         if not isinstance(self.decode_steps, int) or self.decode_steps <= 0:
             raise ValueError(f"decode_steps must be a positive integer, got {self.decode_steps!r}")
         if (not isinstance(self.speculative, int) or isinstance(self.speculative, bool)
                 or not 0 <= self.speculative <= MAX_SPECULATIVE):
             raise ValueError(f"speculative must be an integer in [0, {MAX_SPECULATIVE}] (the most draft tokens a "
                              f"step; 0 = off), got {self.speculative!r}")
-        path = self.tokenizer_path or self.runner.tokenizer_path
-        self.tokenizer = Tokenizer(path) if path is not None else None
-        if self.tokenizer is not None and self.tokenizer.vocab_size != self.config.vocab_size:
-            raise ValueError(f"tokenizer {path} has {self.tokenizer.vocab_size} pieces but the model's "
-                             f"vocab_size is {self.config.vocab_size}")
-        self.scheduler = Scheduler(self.batch_size, self.pad_sizes, self.kv_buckets, self.config.sequence_len,
-                                   budget, self.decode_steps, self.config.eos_token, prefix,
-                                   vocab_size=self.config.vocab_size, speculative=self.speculative)
-        self.core = EngineCore(self.runner, self.scheduler, self.prepare, self.tokenizer, self.grammar_of)
-        if warmup:
-            self._warmup()
-
-    def _check_pad_sizes(self, pad_sizes) -> tuple[int, ...]:
-        s = self.config.sequence_len
-        if pad_sizes is None:
-            return default_pad_sizes(s, self.max_num_batched_tokens)
-        sizes = tuple(pad_sizes)
-        if not sizes or any(not isinstance(p, (int, np.integer)) or isinstance(p, bool) or not 0 < p <= s
-                            for p in sizes):
-            raise ValueError(f"pad_sizes must be positive integers <= sequence_len ({s}), got {pad_sizes!r}")
-        return tuple(sorted(set(int(p) for p in sizes)))
-
-    def _warmup(self) -> None:
-        """Compile every function for every bucket now, so serving never compiles.
-
-        Each variant is traced here, then all are compiled side by side on the host's cores
-        (XLA compiles without the GIL); the calls that follow find them compiled.
-        """
-        model, b = self.runner, self.batch_size
-        # (batch, KV length, score) of every prefill call the scheduler can make; the scoring
-        # ones (prompt log-probabilities, one row a call) only if requests may ask for them
-        empty_batch = self.scheduler.empty_batch
-        prefills = [(empty_batch(p, t), kv, False) for p, t, kv in sorted(self.scheduler.prefill_shapes())]
-        if self.score_prompts:
-            prefills += [(empty_batch(p, t), kv, True)
-                         for p, t, kv in sorted(self.scheduler.prefill_shapes(score=True))]
-        lowered = [model.prefill_memory.variant(kv_len=kv, score=score).lower(model.params, model.state, batch)
-                   for batch, kv, score in prefills]
-        steps = sorted(self.scheduler.step_counts())
-        decodes = [dict(kv_len=kv_len, steps=n) for kv_len in self.kv_buckets for n in steps]
-        if self.speculative:  # a call whose slots speculate, any of them beside plain ones
-            decodes += [dict(kv_len=kv_len, steps=n, speculative=self.speculative)
-                        for kv_len in self.kv_buckets for n in steps]
-        lowered += [model.sample_step.variant(**statics).lower(model.params, model.state, model.no_mask)
-                    for statics in decodes]
-        # a fork (in warm-up: slot 0 copied onto itself, nothing started), its logits placed like
-        # a prefill's output (a host array would be another variant)
-        one, logits = empty_batch(1, 1), np.zeros((b, self.config.vocab_size), np.float32)
-        one.slots[0] = 0
-        logits = jax.device_put(logits, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
-        lowered.append(model.fork_slot.lower(model.state, logits, np.int32(0), np.int32(0), one))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
-            list(pool.map(lambda low: low.compile(), lowered))
-        # each variant run once (padding rows and free slots only: nothing changes)
-        outs = [model.run_prefill(batch, kv, score) for batch, kv, score in prefills]
-        outs.append(model.run_fork(logits, 0, 0, one))
-        outs += [model.run_decode(**statics) for statics in decodes]
-        jax.block_until_ready((model.state, outs))
 
     @property
     def state(self):
-        """The decode state (the model runner owns it; read it, never set it)."""
-        return self.runner.state
+        """The decode state (the executor owns it; read it, never set it)."""
+        return self.engine.executor.state
 
     @property
     def checkpoint_path(self) -> Optional[str]:
         return self.runner.checkpoint_path
 
     def backend_report(self) -> str:
-        """Which backend runs the model and why (``ModelRunner.backend_report``)."""
-        return self.runner.backend_report()
+        """Which backend runs the model and why (``Executor.backend_report``)."""
+        return self.engine.executor.backend_report()
 
     def kv_report(self) -> str:
-        """What the KV cache holds (``ModelRunner.kv_report``)."""
-        return self.runner.kv_report()
+        """What the KV cache holds (``Executor.kv_report``)."""
+        return self.engine.executor.kv_report()
 
     def prefix_cache_counts(self) -> tuple[int, int]:
         """(prompt tokens looked up in the prefix cache, tokens found there) since start."""
-        prefix = self.scheduler.prefix
+        prefix = self.engine.scheduler.prefix
         return (prefix.queries, prefix.hits) if prefix is not None else (0, 0)
 
+    def usage(self) -> tuple[int, int, int, int]:
+        """(running requests, waiting requests, KV positions they hold, positions the slots hold)."""
+        return self.engine.counts() + self.engine.scheduler.kv_usage()
+
     def logits(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Logits ``[B, T, V]`` of whole sequences, without a cache (scoring; ``ModelRunner.forward``)."""
-        return np.asarray(self.runner.forward(self.runner.params, tokens, lengths))
+        """Logits ``[B, T, V]`` of whole sequences, without a cache (scoring; ``Executor.forward``)."""
+        executor = self.engine.executor
+        return np.asarray(executor.forward(executor.params, tokens, lengths))
 
     # ---- requests ------------------------------------------------------------------------------
     def prepare(self, request: Request) -> list[int]:
@@ -330,9 +311,9 @@ class InferenceRunner:
         inbox, results = Inbox(), {r.request_id: Completion(r, [], "", [], "") for r in requests}
         try:
             for r in requests:
-                inbox.submit(self.core, r)
+                inbox.submit(self.engine, r)
             while inbox.live or inbox.events:
-                self.core.wait_for(lambda: bool(inbox.events))
+                self.engine.wait_for(lambda: bool(inbox.events))
                 event = inbox.events.popleft()
                 done = results[event.request_id]
                 if event.token_id is not None:
@@ -344,28 +325,58 @@ class InferenceRunner:
                     done.finish_reason, done.error = event.finish_reason, event.error
         finally:
             for request_id in list(inbox.live):  # an interrupted caller leaves nothing running
-                self.core.cancel(request_id)
+                self.engine.cancel(request_id)
         return [results[r.request_id] for r in requests]
 
     def complete(self, request: Request) -> Completion:
         """One request to its end, beside whatever else is in flight."""
         return self.generate([request])[0]
 
-    def bucket_for(self, length: int) -> int:
-        return smallest_at_least(self.pad_sizes, length)
-
     def prefill_chunks(self, ids: list[int]) -> list[int]:
         """The chunk lengths the scheduler cuts ``ids`` into (``runner.scheduler.chunk_lengths``)."""
-        return chunk_lengths(len(ids), self.scheduler.chunk_sizes)
+        return chunk_lengths(len(ids), self.engine.scheduler.chunk_sizes)
+
+
+def _build_engine(spec: InferenceRunner) -> Engine:
+    """``spec`` served: its fields checked, its model restored onto the mesh (``Executor``), its
+    tokenizer, its scheduler (with the prefix cache's index) and the engine over them."""
+    spec._check_fields()
+    mesh = spec.mesh or spec.runner.mesh
+    if mesh is None:
+        shape = tuple(a * b for a, b in zip(spec.local_mesh_config, spec.between_hosts_config))
+        mesh = make_mesh(shape, jax.devices()[: shape[0] * shape[1]])
+    size = spec.prefix_block_size
+    executor = Executor.create(spec.runner, mesh, spec.batch_size, spec.prefix_cache_blocks, size,
+                               spec.prefix_cache_bytes)
+    config = executor.config
+    pad_sizes = spec._check_pad_sizes(config.sequence_len)
+    kv_buckets = default_kv_buckets(config.sequence_len)
+    prefix = None
+    if executor.prefix_blocks:
+        if any(kv % size for kv in kv_buckets):
+            raise ValueError(f"prefix_block_size {size} must divide every KV bucket {kv_buckets} "
+                             f"(sequence_len {config.sequence_len})")
+        identity = repr((config, spec.runner.checkpoint_path)).encode()  # blocks of one model
+        prefix = PrefixCache(executor.prefix_blocks, size, identity)
+    path = spec.tokenizer_path or executor.tokenizer_path
+    tokenizer = Tokenizer(path) if path is not None else None
+    if tokenizer is not None and tokenizer.vocab_size != config.vocab_size:
+        raise ValueError(f"tokenizer {path} has {tokenizer.vocab_size} pieces but the model's "
+                         f"vocab_size is {config.vocab_size}")
+    scheduler = Scheduler(executor.batch_size, pad_sizes, kv_buckets, config.sequence_len,
+                          spec.max_num_batched_tokens, spec.decode_steps, prefix,
+                          speculative=spec.speculative)
+    outputs = OutputProcessor(tokenizer, config.eos_token, spec.grammar_of)
+    return Engine(scheduler, executor, outputs, spec.prepare)
 
 
 class RunStream:
     """The iterator ``run()`` returns: a generator-compatible stream of its own requests' events
-    (a client of the runner's engine core; other streams and ``generate`` may run beside it)."""
+    (a client of the runner's engine; other streams and ``generate`` may run beside it)."""
 
     def __init__(self, runner: InferenceRunner, requests: Optional[Iterable[Request]]):
         self.runner = runner
-        self._core = runner.core
+        self._core = runner.engine
         self._source = iter(requests) if requests is not None else None
         self._source_done = requests is None
         self._inbox = Inbox()

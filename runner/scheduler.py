@@ -1,6 +1,7 @@
-"""``Scheduler``: the waiting and running requests and the batch slots, and the plan of each round.
+"""``Scheduler``: the waiting and running requests, the batch slots and every KV block (the prefix
+cache's index: nothing else changes it), and the plan of each round.
 
-Each round the engine core asks for a ``RoundPlan`` and runs it: at most one prefill call, whose
+Each round the engine asks for a ``RoundPlan`` and runs it: at most one prefill call, whose
 rows are prompt chunks of several requests (a row per request, all padded to one bucket), then
 one decode call that advances every decoding slot by ``decode_steps`` tokens (by one beside a
 prefill, so that a round stays about one budget's worth of prefill long; by twice as many while
@@ -20,23 +21,19 @@ Only its last chunk samples; its first token is emitted when that chunk's output
 
 KV accounting: a slot holds up to ``sequence_len`` positions; a request is admitted when a slot is
 free and its prompt plus its ``max_len`` fit there (checked at submit). The host knows each
-slot's exact number of computed positions as of the outputs it has read (``Sequence.computed``),
-and an upper bound of what is in flight (``Sequence.dispatched``), which picks the KV bucket.
+slot's exact number of computed positions as of the outputs it has read (``RequestState.computed``),
+and an upper bound of what is in flight (``RequestState.dispatched``), which picks the KV bucket.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import zlib
 from typing import Optional
 
-import numpy as np
-
 from runner.prefix_cache import PrefixCache
-from runner.requests import Request, Speculation
-from runner.sampling import SampleSettings
-from runner.state import MAX_STOP_IDS, PrefillBatch
+from runner.requests import Request
+from runner.speculative import Drafting, plan_call
 
 # Padding a prompt's last chunk by this many positions costs less than one more device call (at
 # small chunk sizes a prefill call's time goes to reading the weights, not to its positions).
@@ -67,27 +64,15 @@ def chunk_lengths(total: int, sizes: tuple[int, ...]) -> list[int]:
     return chunks
 
 
-def finish_reason(token: int, request: Request, eos_token: int) -> str:
-    """The name of the reason a request ended with ``token`` (the device decided that it did, by
-    ``runner.state.ends``)."""
-    if token == eos_token and not request.ignore_eos:
-        return "eos"
-    return "stop" if token in request.stop_token_ids else "length"
-
-
-def stop_ids(request: Request, eos_token: int) -> list[int]:
-    """The ids that end ``request``: EOS first (unless it ignores EOS), then its stop tokens."""
-    eos = [] if request.ignore_eos else [eos_token]
-    return eos + sorted(set(request.stop_token_ids) - set(eos))
-
-
 @dataclasses.dataclass(eq=False)
-class Sequence:
-    """A request in the scheduler: waiting, then in a slot prefilling its prompt, then decoding."""
+class RequestState:
+    """A request in the scheduler: waiting, then in a slot prefilling its prompt, then decoding.
+    The scheduler owns its slot, chunks and positions; the output processor
+    (``runner/outputs.py``) its ``detokenizer``, ``matcher`` and ``scores``."""
 
     request: Request
     ids: list[int]
-    sink: object  # where its events go (runner.core.Sink)
+    sink: object  # where its events go (runner.engine.Sink)
     chunks: list[int]  # its prompt's chunk lengths (chunk_lengths), cut when it was submitted (again
     # when it is admitted after a cached prefix: the rest of the prompt)
     prompt_key: int = 0  # a hash of its prompt ids: requests with one prompt prefill it once
@@ -100,28 +85,21 @@ class Sequence:
     unread: int = 0  # dispatched calls that sample a token of it, not read yet (a structured output's)
     chunks_done: int = 0  # chunks dispatched (a dispatched chunk always computes all its tokens)
     prefilled: int = 0  # prompt tokens dispatched
-    decode_steps: int = 0  # decode steps dispatched since its last chunk (an upper bound of its tokens)
+    decode_positions: int = 0  # positions its decode calls may have added since its last chunk, at most
     generated: int = 0  # tokens read back and emitted
     finished: bool = False
     scores: list = dataclasses.field(default_factory=list)  # its prompt's PromptLogprobs so far, if it asked
-    speculative: int = 0  # the most draft tokens a step (Request.speculative, or the runner's); 0: off
-    speculation: Speculation = Speculation()  # its speculative decoding so far, as read
-    # DecodeOutput.ready by decode call: after that call, its next step may draft; and whether
-    # that call accepted any of its drafted tokens
-    ready: dict = dataclasses.field(default_factory=dict)
-    accepting: dict = dataclasses.field(default_factory=dict)
+    drafting: Optional[Drafting] = None  # its speculative decoding's control (runner.speculative); None: off
 
-    def drafting_pays(self, call: int) -> bool:
-        """Whether its drafts were being accepted as of call ``call - 2`` (read by then, like
-        ``may_draft``): a call for it may then take several speculative steps."""
-        return self.accepting.get(call - 2, False)
+    @property
+    def speculative(self) -> int:
+        """The most draft tokens a step it may verify (0: it does not speculate)."""
+        return self.drafting.k if self.drafting is not None else 0
 
-    def may_draft(self, call: int) -> bool:
-        """Whether decode call ``call`` should be speculative for it: as of call ``call - 2``,
-        whose outputs are read by the time ``call`` is planned whether the core reads before it
-        plans or after it dispatches (runner.core), so the choice, and the tokens, never depend
-        on the host's timing. True before it took part in any."""
-        return self.ready.get(call - 2, True)
+    @property
+    def constrained(self) -> bool:
+        """A structured output (``Request.json_schema``): each call samples one token of it under its grammar's mask."""
+        return self.request.json_schema is not None
 
     @property
     def scored(self) -> bool:
@@ -141,12 +119,12 @@ class Sequence:
     @property
     def dispatched(self) -> int:
         """Positions its slot's cache will hold once the calls dispatched so far have run, at most."""
-        return self.prefilled + self.decode_steps
+        return self.prefilled + self.decode_positions
 
 
 @dataclasses.dataclass
 class PrefillRow:
-    sequence: Sequence
+    sequence: RequestState
     start: int  # the chunk's first prompt position
     length: int  # its real tokens
 
@@ -158,7 +136,7 @@ class Fork:
     its prompt once)."""
 
     row: int
-    sequence: Sequence
+    sequence: RequestState
 
 
 @dataclasses.dataclass
@@ -174,11 +152,11 @@ class RoundPlan:
     rows: int = 0
     bucket: int = 0
     prefill_kv_len: int = 0
-    decode: list[Sequence] = dataclasses.field(default_factory=list)
+    decode: list[RequestState] = dataclasses.field(default_factory=list)
     decode_kv_len: int = 0
     decode_steps: int = 0
     # a speculative decode call's most draft tokens a step (0: a plain call), and the positions
-    # each of its slots may advance at most (``Sequence.decode_steps`` is corrected when read)
+    # each of its slots may advance at most (``RequestState.decode_positions`` is corrected when read)
     decode_speculative: int = 0
     decode_bounds: dict = dataclasses.field(default_factory=dict)
     decode_call: int = 0  # decode calls planned before this one
@@ -202,38 +180,36 @@ class Scheduler:
     buckets no larger than it."""
 
     def __init__(self, batch_size: int, pad_sizes: tuple[int, ...], kv_buckets: tuple[int, ...],
-                 sequence_len: int, budget: int, decode_steps: int, eos_token: int,
-                 prefix: Optional[PrefixCache] = None, *, vocab_size: int, speculative: int = 0):
+                 sequence_len: int, budget: int, decode_steps: int,
+                 prefix: Optional[PrefixCache] = None, *, speculative: int = 0):
         self.batch_size, self.sequence_len = batch_size, sequence_len
         self.speculative = speculative  # the most draft tokens a step (Request.speculative's default); 0: off
         self.prefix = prefix  # the prefix cache's index (None: off)
-        # the prefill batch's block tables: a column per cache block (runner.state.PrefillBatch)
-        self.blocks = sequence_len // prefix.block_size if prefix is not None else 0
         self.pool_blocks = prefix.num_blocks if prefix is not None else 0
         self.kv_buckets, self.budget, self.decode_steps = kv_buckets, budget, decode_steps
-        self.eos_token, self.vocab_size = eos_token, vocab_size
         self.chunk_sizes = tuple(s for s in pad_sizes if s <= budget) or pad_sizes[:1]
         self.row_buckets = row_buckets(batch_size)
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.slots: list[Optional[Sequence]] = [None] * batch_size
-        self._admitted: list[Sequence] = []  # in slots and still prefilling, oldest first
+        self.waiting: collections.deque[RequestState] = collections.deque()
+        self.slots: list[Optional[RequestState]] = [None] * batch_size
+        self._admitted: list[RequestState] = []  # in slots and still prefilling, oldest first
         self.decode_calls = 0  # decode calls planned so far
 
     # ---- requests in and out ---------------------------------------------------------------------
-    def add(self, request: Request, ids: list[int], sink) -> Sequence:
-        sequence = Sequence(request, ids, sink, chunk_lengths(len(ids), self.chunk_sizes), hash(tuple(ids)))
-        sequence.speculative = request.speculates(self.speculative)
+    def add(self, request: Request, ids: list[int], sink) -> RequestState:
+        sequence = RequestState(request, ids, sink, chunk_lengths(len(ids), self.chunk_sizes), hash(tuple(ids)))
+        k = request.speculates(self.speculative)
+        sequence.drafting = Drafting(k) if k else None
         self.waiting.append(sequence)
         return sequence
 
-    def find(self, request_id: str) -> Optional[Sequence]:
+    def find(self, request_id: str) -> Optional[RequestState]:
         """The waiting or running (not finished) sequence of ``request_id``."""
         for s in list(self.waiting) + [s for s in self.slots if s is not None]:
             if s.request.request_id == request_id and not s.finished:
                 return s
         return None
 
-    def finish(self, sequence: Sequence) -> None:
+    def finish(self, sequence: RequestState) -> None:
         """``sequence`` has ended: out of the queue or its slot, which is free from now on."""
         sequence.finished = True
         if sequence in self.waiting:
@@ -243,7 +219,7 @@ class Scheduler:
         if sequence in self._admitted:
             self._admitted.remove(sequence)
 
-    def running(self) -> list[Sequence]:
+    def running(self) -> list[RequestState]:
         return [s for s in self.slots if s is not None]
 
     def free_slots(self) -> int:
@@ -255,6 +231,13 @@ class Scheduler:
 
     # ---- the plan of a round ---------------------------------------------------------------------
     def schedule(self) -> RoundPlan:
+        """This round's plan: prompt chunks under the budget (``_plan_prefill``), their forks, and
+        one decode call of every decoding slot (``_plan_decode``)."""
+        plan = self._plan_prefill()
+        self._plan_decode(plan)
+        return plan
+
+    def _plan_prefill(self) -> RoundPlan:
         decoding = [s for s in self.slots if s is not None and s.decoding]
         left = self.budget - len(decoding)
         rows: list[PrefillRow] = []
@@ -264,8 +247,7 @@ class Scheduler:
                 continue  # it will copy the leader's prompt when the leader's last chunk is computed
             hit = self._cached_prefix(sequence) if sequence.slot is None else None
             length = hit[1][0] if hit else sequence.chunks[sequence.chunks_done]
-            size = smallest_at_least(self.chunk_sizes, length)
-            grown = max(bucket, size)
+            grown = max(bucket, smallest_at_least(self.chunk_sizes, length))
             if rows and (sequence.scored or length > left
                          or grown * smallest_at_least(self.row_buckets, len(rows) + 1) > self.budget):
                 continue  # the oldest first; a later one that fits may join (the oldest left out leads soon)
@@ -287,43 +269,79 @@ class Scheduler:
                 if row.sequence.decoding:
                     self._admitted.remove(row.sequence)
                     plan.forks += [Fork(i, s) for s in self._forks_of(row.sequence)]
-        plan.decode = [s for s in self.slots if s is not None and s.decoding]
-        if plan.decode:
-            # beside a prefill, one step: the round (the streams' gap between tokens) stays one
-            # chunk's prefill long, and a prompt's next chunk, or the next prompt, comes sooner
-            # with every slot taken nothing new can start: twice the steps, half the host's work a token
-            # structured outputs take one step a call (their next mask needs their token): a call
-            # of them alone is one step
-            full = not self.slots.count(None)
-            alone = all(s.matcher is not None for s in plan.decode)
-            steps = plan.decode_steps = 1 if rows or alone else self.decode_steps * (2 if full else 1)
-            # a speculative call when a slot may draft and none has a grammar (whose mask needs its last token)
-            plan.decode_call, self.decode_calls = self.decode_calls, self.decode_calls + 1
-            if (any(s.speculative and s.may_draft(plan.decode_call) for s in plan.decode)
-                    and not any(s.matcher is not None for s in plan.decode)):
-                # one speculative step a call while no row's drafts are being accepted (probing:
-                # the host learns two calls late that none may draft any more, Sequence.may_draft);
-                # the plain call's steps while one's are (its text repeats: a longer call costs the
-                # host less a token)
-                plan.decode_speculative = self.speculative
-                if not any(s.speculative and s.drafting_pays(plan.decode_call) for s in plan.decode):
-                    steps = plan.decode_steps = 1
-            for s in plan.decode:  # positions each may advance: a step's token and its draft
-                plan.decode_bounds[s.slot] = steps * (1 + (s.speculative if plan.decode_speculative else 0))
-            plan.decode_kv_len = smallest_at_least(
-                self.kv_buckets, max(s.dispatched + plan.decode_bounds[s.slot] for s in plan.decode))
-            for s in plan.decode:
-                s.decode_steps += plan.decode_bounds[s.slot]
         return plan
 
-    def _leader_of(self, sequence: Sequence, scheduled: list[Sequence]) -> Optional[Sequence]:
+    def _plan_decode(self, plan: RoundPlan) -> None:
+        """The plan's decode call. Beside a prefill, one step: the round (the streams' gap between
+        tokens) stays one chunk's prefill long, and a prompt's next chunk, or the next prompt,
+        comes sooner. With every slot taken nothing new can start: twice the steps, half the
+        host's work a token. Structured outputs take one step a call (their next mask needs their
+        token): a call of them alone is one step. Whether it is speculative, and then its steps,
+        is speculation's rule (``runner.speculative.plan_call``)."""
+        plan.decode = [s for s in self.slots if s is not None and s.decoding]
+        if not plan.decode:
+            return
+        full = not self.slots.count(None)
+        alone = all(s.constrained for s in plan.decode)
+        steps = 1 if plan.prefill or alone else self.decode_steps * (2 if full else 1)
+        plan.decode_call, self.decode_calls = self.decode_calls, self.decode_calls + 1
+        plan.decode_speculative, plan.decode_steps = plan_call(
+            [s.drafting for s in plan.decode if s.drafting is not None], plan.decode_call, self.speculative, steps,
+            constrained=any(s.constrained for s in plan.decode))
+        for s in plan.decode:  # positions each may advance: a step's token and its draft
+            plan.decode_bounds[s.slot] = plan.decode_steps * (1 + (s.speculative if plan.decode_speculative else 0))
+        plan.decode_kv_len = smallest_at_least(
+            self.kv_buckets, max(s.dispatched + plan.decode_bounds[s.slot] for s in plan.decode))
+        for s in plan.decode:
+            s.decode_positions += plan.decode_bounds[s.slot]
+
+    # ---- what the calls did ----------------------------------------------------------------------
+    def update_from_decode(self, call: int, bounds: dict[int, int], out, rows: dict[int, RequestState]) -> None:
+        """Decode call ``call``'s outputs (host arrays), before its tokens are emitted: the
+        positions each row was planned to advance at most (``bounds``) become the tokens it
+        generated (``RequestState.decode_positions`` is exact again once read), and a speculating
+        request's control reads what the call did."""
+        generated = out.valid.sum(axis=0)
+        for column, sequence in rows.items():
+            n = int(generated[column])
+            sequence.decode_positions -= bounds[column] - n
+            if sequence.drafting is not None:
+                sequence.drafting.read(call, out, column, n)
+
+    def prefill_dispatched(self) -> None:
+        """A prefill call was dispatched: the prefix blocks it writes may be read by later calls."""
+        if self.prefix is not None:
+            self.prefix.commit()
+
+    def row_dropped(self, save_blocks) -> None:
+        """A prefill row was left out of its call (its request failed first): the pool blocks it
+        would have written (``PrefillBatch.save``'s row) are free again."""
+        if self.prefix is not None:
+            self.prefix.drop([int(b) for b in save_blocks if b < self.pool_blocks])
+
+    def state_lost(self) -> list[RequestState]:
+        """A device call failed and took the device state with it: every running request ends (they
+        are returned), and the prefix pool's contents are forgotten."""
+        running = self.running()
+        for sequence in running:
+            self.finish(sequence)
+        if self.prefix is not None:
+            self.prefix.clear()
+        return running
+
+    def only_constrained(self) -> bool:
+        """Every running request is a structured output (each call samples one token of each)."""
+        running = self.running()
+        return bool(running) and all(s.constrained for s in running)
+
+    def _leader_of(self, sequence: RequestState, scheduled: list[RequestState]) -> Optional[RequestState]:
         """A request with ``sequence``'s prompt that is being prefilled (or is this round)."""
         for other in self._admitted + scheduled:
             if _copies(sequence, other):
                 return other
         return None
 
-    def _forks_of(self, leader: Sequence) -> list[Sequence]:
+    def _forks_of(self, leader: RequestState) -> list[RequestState]:
         """Waiting requests with ``leader``'s prompt, admitted into free slots as its copies."""
         out = []
         for sequence in list(self.waiting):
@@ -348,14 +366,10 @@ class Scheduler:
         s.saved = end
         return out
 
-    def empty_batch(self, rows: int, bucket: int) -> PrefillBatch:
-        """``empty_batch`` with this scheduler's block tables."""
-        return empty_batch(rows, bucket, self.batch_size, self.blocks, self.pool_blocks, vocab_size=self.vocab_size)
-
-    def unfork(self, sequence: Sequence) -> None:
+    def unfork(self, sequence: RequestState) -> None:
         """``sequence`` cannot copy its prompt after all (its leader failed): it prefills it itself,
         in the slot it has, first among the prompts in slots."""
-        sequence.chunks_done = sequence.prefilled = sequence.decode_steps = 0
+        sequence.chunks_done = sequence.prefilled = sequence.decode_positions = 0
         self._admitted.insert(0, sequence)
 
     def _candidates(self):
@@ -369,7 +383,7 @@ class Scheduler:
             free -= 1
             yield sequence
 
-    def _cached_prefix(self, sequence: Sequence) -> Optional[tuple[list, list[int]]]:
+    def _cached_prefix(self, sequence: RequestState) -> Optional[tuple[list, list[int]]]:
         """The prefix cache's blocks for a waiting ``sequence``'s prompt, and the chunks of the rest
         of it; None if it has none, or needs its prompt computed: a scored prompt needs every
         position's logits, and a repetition penalty every prompt token in its row's history
@@ -381,7 +395,7 @@ class Scheduler:
             return None
         return blocks, chunk_lengths(len(sequence.ids) - len(blocks) * self.prefix.block_size, self.chunk_sizes)
 
-    def _admit(self, sequence: Sequence, hit: Optional[tuple[list, list[int]]] = None) -> None:
+    def _admit(self, sequence: RequestState, hit: Optional[tuple[list, list[int]]] = None) -> None:
         """Into a free slot; with ``hit`` (``_cached_prefix``, this round) its prompt starts after
         the cached blocks, which its first chunk reads."""
         if self.prefix is not None and not sequence.scored:
@@ -418,72 +432,8 @@ class Scheduler:
         return shapes
 
 
-def _copies(sequence: Sequence, leader: Sequence) -> bool:
+def _copies(sequence: RequestState, leader: RequestState) -> bool:
     """``sequence`` may copy ``leader``'s prefill: the same prompt, and the same prompt scores if
     it asks for them (a copy shares its leader's)."""
     return (sequence.prompt_key == leader.prompt_key and sequence.ids == leader.ids
             and sequence.request.prompt_logprobs in (None, leader.request.prompt_logprobs))
-
-
-def prefill_row(batch: PrefillBatch, i: int, row: PrefillRow, eos_token: int) -> None:
-    """Write ``row`` (a chunk of one request) as row ``i`` of the host arrays of ``batch``."""
-    s = row.sequence
-    batch.tokens[i, : row.length] = s.ids[row.start: row.start + row.length]
-    batch.lengths[i] = row.length
-    batch.reset[i] = row.start == s.cached  # its first chunk
-    if batch.reset[i] and s.cached:
-        batch.cached[i] = s.cached
-        batch.read[i, : len(s.read_blocks)] = s.read_blocks
-    batch.last[i] = row.start + row.length == len(s.ids)
-    # position j predicts prompt token j + 1: what a scoring prefill scores (the last predicts none)
-    targets = s.ids[row.start + 1: row.start + row.length + 1]
-    batch.targets[i, : len(targets)] = targets
-    request_row(batch, i, s, eos_token)
-
-
-def request_row(batch: PrefillBatch, i: int, sequence: Sequence, eos_token: int) -> None:
-    """The slot and settings of ``sequence``'s request in row ``i`` of ``batch``."""
-    request = sequence.request
-    batch.slots[i] = sequence.slot
-    settings = batch.settings
-    settings.temperature[i], settings.nucleus_p[i], settings.top_k[i] = (request.temperature, request.nucleus_p,
-                                                                          request.top_k)
-    settings.logprobs[i] = -1 if request.logprobs is None else request.logprobs
-    for name in ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
-        getattr(settings, name)[i] = getattr(request, name)
-    batch.seed[i] = seed_key(request.rng_seed if request.rng_seed is not None else default_seed(request))
-    batch.max_len[i] = request.max_len
-    batch.min_tokens[i] = request.min_tokens
-    batch.speculative[i] = sequence.speculative
-    stop = stop_ids(request, eos_token)
-    batch.stop_ids[i, : len(stop)] = stop
-
-
-def empty_batch(rows: int, bucket: int, batch_size: int, blocks: int = 0, pool_blocks: int = 0, *,
-                vocab_size: int) -> PrefillBatch:
-    """A prefill batch of padding rows only (slot = batch size), as host arrays; its prefix cache
-    tables have ``blocks`` columns and name no block (``pool_blocks``: the pool's size); its masks
-    ``ceil(vocab_size / 32)`` words, all off."""
-    return PrefillBatch(
-        slots=np.full((rows,), batch_size, np.int32), tokens=np.zeros((rows, bucket), np.int32),
-        lengths=np.zeros((rows,), np.int32), reset=np.zeros((rows,), bool), last=np.zeros((rows,), bool),
-        settings=SampleSettings.host(rows), seed=np.zeros((rows, 2), np.uint32),
-        max_len=np.ones((rows,), np.int32), min_tokens=np.zeros((rows,), np.int32),
-        speculative=np.zeros((rows,), np.int32),
-        stop_ids=np.full((rows, MAX_STOP_IDS), -1, np.int32),
-        mask=np.zeros((rows, -(-vocab_size // 32)), np.uint32), masked=np.zeros((rows,), bool),
-        targets=np.full((rows, bucket), -1, np.int32), cached=np.zeros((rows,), np.int32),
-        read=np.zeros((rows, blocks), np.int32), save=np.full((rows, blocks), pool_blocks, np.int32))
-
-
-def seed_key(seed: int) -> np.ndarray:
-    """A seed's PRNG key: its 64 bits (mod 2**64) as two uint32 words, high first
-    (``runner.requests.SEED_LIMIT``): ``jax.random.PRNGKey(seed)`` for a seed below 2**32."""
-    bits = seed % 2**64
-    return np.array([bits >> 32, bits & 0xFFFFFFFF], np.uint32)
-
-
-def default_seed(request: Request) -> int:
-    """The seed of a request that names none: derived from its id, so every process of a
-    multi-host run draws the same tokens (each runs the same scheduler on the same requests)."""
-    return zlib.crc32(request.request_id.encode())

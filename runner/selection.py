@@ -68,7 +68,38 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
             raise ValueError(f"backend='cpu' runs on one CPU device; {where}")
         return Selection(XLA.for_platform(platform), f"auto: {where}")
 
-    from backends.cpu import CPU, OPERATIONS, build, calibration
+    from backends.cpu import CPU, OPERATIONS, calibration
+
+    c = config
+    needs, int8_weights = _blockers(config, params, kv_dtype)
+    kv_dtype = jnp.dtype(c.dtype if kv_dtype is None else kv_dtype).name
+    dtype = jnp.dtype(c.fprop_dtype).name
+    if requested == "cpu":
+        blocked = {op: why for op, why in needs.items() if why}
+        if blocked:
+            raise ValueError("backend='cpu' takes every CPU kernel, and " + "; ".join(
+                f"{op} needs {', '.join(why)}" for op, why in blocked.items()))
+        choices = {op: calibration.Choice(op, True, reason="backend='cpu'", int8=op in int8_weights)
+                   for op in OPERATIONS}
+        return Selection(CPU(on=frozenset(OPERATIONS), int8=frozenset(int8_weights), dtype=dtype), "backend='cpu'",
+                         choices)
+    choices = {op: calibration.Choice(op, False, reason="it needs " + "; ".join(why)) for op, why in needs.items() if why}
+    to_measure = [op for op in OPERATIONS if op not in choices]
+    if to_measure:
+        tokens = calibration_tokens or min(256, c.sequence_len)
+        choices.update(calibration.calibrate(to_measure, c, batch, tokens, tokens, kv_dtype=kv_dtype,
+                                             int8_weights=frozenset(int8_weights), dtype=dtype))
+    choices = {op: choices[op] for op in OPERATIONS}
+    on = frozenset(op for op, choice in choices.items() if choice.kernel)
+    int8 = frozenset(op for op, choice in choices.items() if choice.int8)
+    return Selection(CPU(on=on, int8=int8, dtype=dtype), "auto: one CPU device; each kernel where measured faster here",
+                     choices)
+
+
+def _blockers(config, params, kv_dtype) -> tuple[dict, set]:
+    """Why each CPU kernel cannot run for ``config`` and its ``params`` (an empty list: it can), and
+    the operations whose weights are all int8."""
+    from backends.cpu import OPERATIONS, build, calibration
     from backends.cpu.layout import MOE_WEIGHT, PROJECTION, weight_dtypes
     from backends.cpu.ops import MAX_GROUP, MAX_HEAD, decode_attention_fits
 
@@ -96,23 +127,4 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
     kv_dtype = jnp.dtype(c.dtype if kv_dtype is None else kv_dtype).name
     if kv_dtype not in ("float32", "bfloat16", "int8"):
         needs["attention"].append(f"a float32, bf16 or int8 KV cache (it is {kv_dtype})")
-    if requested == "cpu":
-        blocked = {op: why for op, why in needs.items() if why}
-        if blocked:
-            raise ValueError("backend='cpu' takes every CPU kernel, and " + "; ".join(
-                f"{op} needs {', '.join(why)}" for op, why in blocked.items()))
-        choices = {op: calibration.Choice(op, True, reason="backend='cpu'", int8=op in int8_weights)
-                   for op in OPERATIONS}
-        return Selection(CPU(on=frozenset(OPERATIONS), int8=frozenset(int8_weights), dtype=dtype), "backend='cpu'",
-                         choices)
-    choices = {op: calibration.Choice(op, False, reason="it needs " + "; ".join(why)) for op, why in needs.items() if why}
-    to_measure = [op for op in OPERATIONS if op not in choices]
-    if to_measure:
-        tokens = calibration_tokens or min(256, c.sequence_len)
-        choices.update(calibration.calibrate(to_measure, c, batch, tokens, tokens, kv_dtype=kv_dtype,
-                                             int8_weights=frozenset(int8_weights), dtype=dtype))
-    choices = {op: choices[op] for op in OPERATIONS}
-    on = frozenset(op for op, choice in choices.items() if choice.kernel)
-    int8 = frozenset(op for op, choice in choices.items() if choice.int8)
-    return Selection(CPU(on=on, int8=int8, dtype=dtype), "auto: one CPU device; each kernel where measured faster here",
-                     choices)
+    return needs, int8_weights

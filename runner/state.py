@@ -35,7 +35,7 @@ class PrefillBatch:
     slots: jax.Array  # [P] int32: the batch row each chunk goes to (batch size = padding)
     tokens: jax.Array  # [P, T] int32
     lengths: jax.Array  # [P] int32: real tokens in each chunk
-    reset: jax.Array  # [P] bool: the request's first chunk (its row starts at step 0)
+    first: jax.Array  # [P] bool: the request's first chunk (its row starts at step 0)
     last: jax.Array  # [P] bool: the request's last chunk (its first token is sampled; it starts decoding)
     settings: SampleSettings  # [P] each
     seed: jax.Array  # [P, 2] uint32: the PRNG key of its seed (runner.requests: SEED_LIMIT)
@@ -150,7 +150,7 @@ class DecodeState:
         ``starts [P]``: a first chunk's row starts with none, then every chunk's prompt tokens are
         marked seen and written at their positions."""
         b, v = self.seen.shape
-        fresh = jnp.where(batch.reset, batch.slots, b)
+        fresh = jnp.where(batch.first, batch.slots, b)
         seen = self.seen.at[fresh].set(False, mode="drop")
         counts = self.counts.at[fresh].set(0, mode="drop")
         history = self.history.at[fresh].set(-1, mode="drop")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from typing import Optional
 
 import sentencepiece as spm
@@ -61,6 +62,21 @@ class Tokenizer:
             return None
         return max(len(sp.id_to_piece(i)) for i in range(sp.get_piece_size())
                    if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i)))
+
+    def token_name(self, token: int) -> str:
+        """A token's name in logprobs, the same for the chosen token and its alternatives, and
+        distinct for distinct tokens: its piece as text (SentencePiece's word marker as a space),
+        and a byte-fallback piece as OpenAI names a token that is not text alone, ``bytes:\\xe2``
+        (also an ASCII byte, whose character may be another token's piece)."""
+        if self.sp.is_byte(int(token)):
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in self.token_bytes(token))
+        return self.sp.id_to_piece(int(token)).replace("\u2581", " ")
+
+    def token_bytes(self, token: int) -> list[int]:
+        """A token's bytes in the text (OpenAI's chat ``bytes``); a control token's, its piece's."""
+        piece = self.sp.id_to_piece(int(token))
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        return [int(byte.group(1), 16)] if byte else list(piece.replace("\u2581", " ").encode("utf-8"))
 
     def decode(self, ids) -> str:
         return self.sp.decode([int(i) for i in ids])

@@ -1,4 +1,4 @@
-"""HTTP serving: an OpenAI-compatible API over a runner's engine core (``Server``), with
+"""HTTP serving: an OpenAI-compatible API over a runner's engine (``Server``), with
 Prometheus metrics; ``python run.py serve`` starts it. No scheduling and no model math here."""
 
 from server.app import Server

@@ -1,15 +1,15 @@
-"""The OpenAI-compatible HTTP server: a client of the runner's engine core like any other.
+"""The OpenAI-compatible HTTP server: a client of the runner's engine like any other.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as server-sent
 events when asked), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, vLLM's
-names), ``POST /tokenize``, ``POST /detokenize``. The engine core runs its rounds in a background
+names), ``POST /tokenize``, ``POST /detokenize``. The engine runs its rounds in a background
 thread; each HTTP request submits its runner requests with a sink that hands the events to the
 event loop, so no handler ever blocks the loop on the device.
 
 What one request may cost is bounded before it costs it: the body is counted while it is read
 (413 past ``max_body_bytes``, chunked or not), a request whose choices could never be admitted is
 a 400 and one that cannot be admitted now a 503 before any prompt is tokenized, prompt scoring
-(``echo`` with ``logprobs``: computed by the engine core as part of the request's prefill,
+(``echo`` with ``logprobs``: computed by the engine as part of the request's prefill,
 ``Request.prompt_logprobs``) has a token budget, and tokenizing, templating and building requests
 run in worker threads (SentencePiece releases the GIL), so the event loop keeps answering other
 clients. Errors take OpenAI's shape: 400 naming the field for any bad parameter (the same checks
@@ -200,7 +200,7 @@ class Server:
         # prompt tokens one request may have scored (echo with logprobs): a full decode batch's worth;
         # none on a runner that does not score prompts (its scoring prefill is not compiled)
         self.max_scored_tokens = (0 if not runner.score_prompts else
-                                  runner.batch_size * runner.config.sequence_len if max_scored_tokens is None
+                                  runner.num_slots * runner.config.sequence_len if max_scored_tokens is None
                                   else max_scored_tokens)
         self.private = private_docs_and_metrics
         self.chat_template = chat_template or ChatTemplate.for_checkpoint(
@@ -208,10 +208,10 @@ class Server:
         self.metrics = Metrics(model_name)
         import jax
 
-        if jax.process_count() > 1:  # process 0 serves; the others follow its rounds (runner/core.py)
+        if jax.process_count() > 1:  # process 0 serves; the others follow its rounds (runner/engine.py)
             if jax.process_index() != 0:
-                raise ValueError("the HTTP server runs on process 0; the others call runner.core.follow()")
-            runner.core.broadcast = True
+                raise ValueError("the HTTP server runs on process 0; the others call runner.engine.follow()")
+            runner.engine.broadcast = True
         self.created = int(time.time())
         self.ready = False
         self.draining = False  # shutting down: no new requests (503), /health 503
@@ -245,13 +245,13 @@ class Server:
         @asynccontextmanager
         async def lifespan(app):
             self.loop = asyncio.get_running_loop()
-            self.runner.core.start()
+            self.runner.engine.start()
             self.ready = True
             try:
                 yield
             finally:
                 self.ready = False
-                self.runner.core.stop()
+                self.runner.engine.stop()
 
         public_docs = {} if not self.private else {"docs_url": None, "redoc_url": None, "openapi_url": None}
         app = FastAPI(title="grok1-jax-runner", lifespan=lifespan, **public_docs)
@@ -310,8 +310,7 @@ class Server:
         async def metrics(request: HTTPRequest):
             if self.private:
                 self._authorize(request)
-            running, waiting = self.runner.core.counts()
-            self.metrics.update_load(running, waiting, *self.runner.scheduler.kv_usage())
+            self.metrics.update_load(*self.runner.usage())
             self.metrics.update_prefix_cache(*self.runner.prefix_cache_counts())
             return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -436,7 +435,7 @@ class Server:
     def _check_capacity(self, choices: int, param: str) -> None:
         """Before any work: a request of more choices than slots plus waiting places can never be
         admitted (400); one that cannot be admitted now waits for ``_check_load`` (503)."""
-        slots = self.runner.batch_size
+        slots = self.runner.num_slots
         if choices > slots + self.max_waiting:
             raise APIError(400, f"{param}: the request has {choices} choices (prompts x n), more than this server "
                            f"admits at once: {slots} slots + {self.max_waiting} waiting = "
@@ -446,11 +445,11 @@ class Server:
     def _check_load(self, new: int) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down", None, type="service_unavailable")
-        running, waiting = self.runner.core.counts()
-        limit = self.runner.batch_size + self.max_waiting
+        running, waiting = self.runner.engine.counts()
+        limit = self.runner.num_slots + self.max_waiting
         if running + waiting + new > limit:
             raise APIError(503, f"the server is overloaded: {running} requests run and {waiting} wait for a "
-                           f"slot, and {new} more would exceed {limit} ({self.runner.batch_size} slots + "
+                           f"slot, and {new} more would exceed {limit} ({self.runner.num_slots} slots + "
                            f"{self.max_waiting} waiting); retry later", None, type="server_overloaded",
                            headers={"Retry-After": "1"})
 
@@ -459,21 +458,6 @@ class Server:
             return self.chat_template.render([{"role": m.role, "content": m.text()} for m in messages])
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
-
-    def _token_text(self, token: int) -> str:
-        """A token's name in logprobs, the same for the chosen token and its alternatives, and
-        distinct for distinct tokens: its piece as text (SentencePiece's word marker as a space),
-        and a byte-fallback piece as OpenAI names a token that is not text alone, ``bytes:\\xe2``
-        (also an ASCII byte, whose character may be another token's piece)."""
-        if self.runner.tokenizer.sp.is_byte(int(token)):
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in self._token_bytes(token))
-        return self.runner.tokenizer.sp.id_to_piece(int(token)).replace("\u2581", " ")
-
-    def _token_bytes(self, token: int) -> list[int]:
-        """A token's bytes in the text (OpenAI's chat ``bytes``); a control token's, its piece's."""
-        piece = self.runner.tokenizer.sp.id_to_piece(int(token))
-        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
-        return [int(byte.group(1), 16)] if byte else list(piece.replace("\u2581", " ").encode("utf-8"))
 
     def _prompt_ids(self, prompt, names: dict[str, str]) -> list[int]:
         try:
@@ -500,11 +484,11 @@ class Server:
                     sink = _Sink(loop)
                     with self._inflight_lock:
                         self._inflight.add(sink)
-                    self.runner.core.submit(r, sink)
+                    self.runner.engine.submit(r, sink)
                     sinks.append(sink)
             except ValueError as e:
                 for r in requests[: len(sinks)]:
-                    self.runner.core.cancel(r.request_id)
+                    self.runner.engine.cancel(r.request_id)
                 with self._inflight_lock:
                     self._inflight.difference_update(sinks)
                 raise bad_request(e, names) from None
@@ -551,8 +535,8 @@ class Server:
             self.metrics.generation_tokens.inc(len(choice.tokens))
             if choice.speculation is not None:
                 self.metrics.speculated(choice.speculation)
-            if not choice.done or self.runner.core.is_live(request.request_id):
-                self.runner.core.cancel(request.request_id)
+            if not choice.done or self.runner.engine.is_live(request.request_id):
+                self.runner.engine.cancel(request.request_id)
             if choice.done:
                 self.metrics.e2e.observe(time.perf_counter() - arrived)
             # error: it failed while being served; abort: the client left, or the server ended it
@@ -675,9 +659,9 @@ class Server:
         def logprobs_of(choice, start_token=0, start_text=0):
             if body.logprobs is None:
                 return None
-            return {"tokens": [self._token_text(t) for t in choice.tokens[start_token:]],
+            return {"tokens": [self.runner.tokenizer.token_name(t) for t in choice.tokens[start_token:]],
                     "token_logprobs": choice.logprobs[start_token:],
-                    "top_logprobs": [{self._token_text(t): lp for t, lp in top_} for top_ in choice.tops[start_token:]],
+                    "top_logprobs": [{self.runner.tokenizer.token_name(t): lp for t, lp in top_} for top_ in choice.tops[start_token:]],
                     "text_offset": [start_text + o for o in choice.offsets[start_token:]]}
 
         def with_prompt(choice, lp):
@@ -685,10 +669,10 @@ class Server:
             prompt's own: its tokens, each one's log-probability given those before it (the first
             has none) and its alternatives."""
             entries = choice.prompt_logprobs or ()
-            texts = [self._token_text(e.token_id) for e in entries]
+            texts = [self.runner.tokenizer.token_name(e.token_id) for e in entries]
             offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=0)) if texts else []
             tops = [None if e.logprob is None else
-                    {self._token_text(t): float(np.log(max(p, 1e-45))) for t, p in e.top_tokens} for e in entries]
+                    {self.runner.tokenizer.token_name(t): float(np.log(max(p, 1e-45))) for t, p in e.top_tokens} for e in entries]
             return {"tokens": texts + lp["tokens"], "token_logprobs": [e.logprob for e in entries] + lp["token_logprobs"],
                     "top_logprobs": tops + lp["top_logprobs"], "text_offset": offsets + lp["text_offset"]}
 
@@ -768,7 +752,7 @@ class Server:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def entry(t, lp):
-            return {"token": self._token_text(t), "logprob": lp, "bytes": self._token_bytes(t)}
+            return {"token": self.runner.tokenizer.token_name(t), "logprob": lp, "bytes": self.runner.tokenizer.token_bytes(t)}
 
         def logprobs_of(choice, start=0):
             if not body.logprobs:

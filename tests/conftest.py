@@ -89,5 +89,5 @@ def shipped_runner():
     if checkpoint is None:
         pytest.fail("the shipped model checkpoints/austen-moe is missing")
     runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint))
-    runner.initialize()
+    runner = runner.initialize()
     return runner

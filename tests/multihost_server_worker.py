@@ -23,7 +23,7 @@ if jax.process_index() == 0:
 
     serve_forever(Server(runner, "multihost"), "127.0.0.1", int(http_port))
 else:
-    runner.core.broadcast = True
-    runner.core.follow()
+    runner.engine.broadcast = True
+    runner.engine.follow()
 jax.distributed.shutdown()  # together: neither leaves the other's collectives hanging
 print(f"process {jax.process_index()} done", flush=True)

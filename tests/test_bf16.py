@@ -240,7 +240,7 @@ def bf16_runner(request, params):  # noqa: F811
                         quantize="int8" if request.param == "int8 x bf16" else None)
     r = InferenceRunner(runner=model, batch_size=4, pad_sizes=PAD_SIZES, max_num_batched_tokens=BUDGET,
                         prefix_cache_blocks=14, prefix_block_size=8)
-    r.initialize()
+    r = r.initialize()
     return r
 
 
@@ -248,17 +248,17 @@ def test_the_bf16_runner_decodes_what_the_model_does(bf16_runner):
     """Greedy tokens of the runner (chunked prefill calls, decode steps on the bf16 kernels and the
     bf16 attention kernel) are the model's own greedy tokens on the same weights and backend (one
     row, the whole prompt at once, no runner)."""
-    model = bf16_runner.runner
-    assert model.model.fprop_dtype == "bfloat16" and bf16_runner.state.memory.k[0].dtype == jnp.bfloat16
+    model = bf16_runner.engine.executor
+    assert model.config.fprop_dtype == "bfloat16" and bf16_runner.state.memory.k[0].dtype == jnp.bfloat16
     assert model.selection.backend.on == frozenset(OPERATIONS) and model.selection.backend.dtype == "bfloat16"
     weight = model.params["transformer"]["decoder_layer_0"]["moe"]["linear"]["w"]
-    assert isinstance(weight, ops.Int8PanelWeight if model.quantize else ops.Bf16PanelWeight)
+    assert isinstance(weight, ops.Int8PanelWeight if model.spec.quantize else ops.Bf16PanelWeight)
     for i, length in enumerate((5, 19, 40)):
         prompt = prompt_ids(700 + i, length)
         got = bf16_runner.complete(Request(prompt, temperature=0.0, max_len=10)).token_ids
         rows = np.zeros((1, length + 10), np.int32)
         rows[0, :length] = prompt
-        logits, _ = _decode(model.params, jnp.asarray(rows), config=model.model, prompt=length, kv_dtype="bfloat16",
+        logits, _ = _decode(model.params, jnp.asarray(rows), config=model.config, prompt=length, kv_dtype="bfloat16",
                             greedy=True, backend=model.selection.backend)
         want = np.asarray(logits)[0].argmax(-1)[:10].tolist()
         assert got == want[: len(got)] and (len(got) == 10 or got[-1] == CONFIG.eos_token), (i, got, want)
@@ -271,9 +271,9 @@ def test_bf16_requests_keep_their_tokens_among_neighbours_and_across_the_prefix_
     requests = [shared(prefix, i) for i in range(5)] + [mixed(i) for i in range(3)]
     want = {}
     for r in requests:
-        bf16_runner.scheduler.prefix.clear()  # alone and without the cache
+        bf16_runner.engine.scheduler.prefix.clear()  # alone and without the cache
         want[r.request_id] = solo(bf16_runner, r)
-    bf16_runner.scheduler.prefix.clear()
+    bf16_runner.engine.scheduler.prefix.clear()
     got = collect(bf16_runner.run(requests[:1]))  # saves the prefix's blocks
     got.update(collect(bf16_runner.run(requests[1:])))  # neighbours; the shared ones read the blocks
     for r in requests:

@@ -15,7 +15,7 @@ from backends.cpu import OPERATIONS, build, calibration, ops as panel
 from backends.cpu.calibration import Measurement
 from backends.cpu.layout import ExpertWeights
 from model import TINY
-from runner import ModelRunner
+from runner import Executor, ModelRunner
 
 needs_kernel = pytest.mark.skipif(not build.available(), reason=f"CPU kernels: {build.unavailable_reason()}")
 
@@ -69,7 +69,7 @@ def test_the_runner_declines_a_kernel_the_calibration_finds_slower(tiny_params, 
     measure.calls = 0
     monkeypatch.setattr(calibration, "_measure", measure)
     engine = ModelRunner(model=TINY, params=tiny_params, backend="auto")
-    engine.initialize()
+    engine = Executor.create(engine)
     assert measure.calls == 1
     assert engine.selection.backend.on == set(OPERATIONS) - slower, engine.backend_report()
     layer = engine.params["transformer"]["decoder_layer_0"]
@@ -82,16 +82,16 @@ def test_the_runner_declines_a_kernel_the_calibration_finds_slower(tiny_params, 
     cached = json.loads(private_cache.read_text())
     assert len(cached) == 8 and all(entry["kernel_s"] > 0 for entry in cached.values())
     again = ModelRunner(model=TINY, params=tiny_params, backend="auto")
-    again.initialize()
+    again = Executor.create(again)
     assert measure.calls == 1 and again.backend_report() == engine.backend_report()
     # another batch size is another shape: measured once more
-    ModelRunner(model=TINY, params=tiny_params, bs_per_device=2, backend="auto").initialize()
+    Executor.create(ModelRunner(model=TINY, params=tiny_params, bs_per_device=2, backend="auto"))
     assert measure.calls == 2
 
     # the model still computes the same with its mixed layouts
     tokens = np.array([[5, 9, 13, 2]], np.int32)
     xla = ModelRunner(model=TINY, params=tiny_params, backend="xla")
-    xla.initialize()
+    xla = Executor.create(xla)
     lengths = np.array([4], np.int32)
     np.testing.assert_allclose(engine.forward(engine.params, tokens, lengths),
                                xla.forward(xla.params, tokens, lengths), atol=1e-4, rtol=1e-4)
@@ -104,11 +104,11 @@ def test_naming_a_backend_never_measures(tiny_params, private_cache, monkeypatch
 
     monkeypatch.setattr(calibration, "_measure", measure)
     forced = ModelRunner(model=TINY, params=tiny_params, backend="cpu")
-    forced.initialize()
+    forced = Executor.create(forced)
     assert forced.selection.backend.on == set(OPERATIONS)
     assert "moe: kernel (backend='cpu')" in forced.backend_report()
     off = ModelRunner(model=TINY, params=tiny_params, backend="xla")
-    off.initialize()
+    off = Executor.create(off)
     assert off.selection.choices == {} and off.selection.backend.name == "xla"
     assert not private_cache.exists()
 

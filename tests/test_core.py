@@ -94,7 +94,7 @@ def test_three_client_threads_get_their_solo_outputs(runner, background):
             errors.append(e)
 
     if background:
-        runner.core.start()
+        runner.engine.start()
     try:
         threads = [threading.Thread(target=stream_client, args=(k,)) for k in (0, 1)]
         threads.append(threading.Thread(target=generate_client))
@@ -104,7 +104,7 @@ def test_three_client_threads_get_their_solo_outputs(runner, background):
             t.join(timeout=120)
         assert not any(t.is_alive() for t in threads), "a client hung"
     finally:
-        runner.core.stop()
+        runner.engine.stop()
     assert not errors, errors
     for k in (0, 1):
         for i in range(3 * k, 3 * k + 3):
@@ -112,7 +112,7 @@ def test_three_client_threads_get_their_solo_outputs(runner, background):
             assert tokens(got[(r.prompt[0], 10, k)]) == want[i], i
     for i in range(6, 9):
         assert got[("generate", i)] == want[i], i
-    assert runner.core.idle()
+    assert runner.engine.idle()
 
 
 def test_a_request_failing_while_served_ends_alone(runner, monkeypatch):
@@ -145,7 +145,7 @@ def test_a_request_failing_while_served_ends_alone(runner, monkeypatch):
         if r is not bad:
             assert tokens(events[r.request_id]) == want[r.request_id]
     monkeypatch.undo()
-    assert runner.core.idle()
+    assert runner.engine.idle()
     # the failed request's slot is free and clean: the same request now runs to its end
     assert runner.complete(dataclasses.replace(bad, request_id=None)).token_ids == want[bad.request_id]
 
@@ -229,11 +229,11 @@ def test_what_depends_on_the_model_is_refused_at_submit(runner, fields, name):
     stream = runner.run()
     with pytest.raises(ValueError, match=f"Request.{name}"):
         stream.submit(Request(**{"prompt": [5, 6], **fields}))
-    assert next(stream) is None and runner.core.idle()  # nothing was queued
+    assert next(stream) is None and runner.engine.idle()  # nothing was queued
 
 
 def test_a_request_failing_at_admission_ends_alone(runner, monkeypatch):
-    import runner.core as core
+    import runner.engine as core
 
     requests = [mixed(i, 8) for i in range(3)]
     want = {r.request_id: solo(runner, r) for r in requests}
@@ -263,7 +263,7 @@ def tight(params):  # noqa: F811
 
     r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=4, pad_sizes=(8, 16, 32),
                         max_num_batched_tokens=24, score_prompts=True)
-    r.initialize()
+    r = r.initialize()
     return r
 
 
@@ -271,14 +271,14 @@ def tight(params):  # noqa: F811
 def plans(monkeypatch):
     """Record the plan of every round of a runner: ``plans(runner)`` returns the live list."""
     def record(runner):
-        seen, real = [], runner.scheduler.schedule
+        seen, real = [], runner.engine.scheduler.schedule
 
         def schedule():
             plan = real()
             seen.append(plan)
             return plan
 
-        monkeypatch.setattr(runner.scheduler, "schedule", schedule)
+        monkeypatch.setattr(runner.engine.scheduler, "schedule", schedule)
         return seen
     return record
 
@@ -327,7 +327,7 @@ def test_a_request_cancelled_mid_prefill_leaves_its_slot_clean(tight, plans):
     long = Request(prompt_ids(600, 55), temperature=0.0, max_len=5)
     stream = tight.run()
     stream.submit(long)
-    tight.core.wait_for(lambda: len(seen) >= 1)  # one round: its first chunk only
+    tight.engine.wait_for(lambda: len(seen) >= 1)  # one round: its first chunk only
     assert seen[0].prefill[0].sequence.request is long and not seen[0].prefill[0].sequence.decoding
     assert stream.cancel(long.request_id)
     events = list(iter(lambda: next(stream), None))
@@ -335,7 +335,7 @@ def test_a_request_cancelled_mid_prefill_leaves_its_slot_clean(tight, plans):
     after = [mixed(i, 8) for i in range(4)] + [long_mixed(1, 8)]  # one of them gets its slot
     outs = tight.generate(after)
     assert [c.token_ids for c in outs] == [solo(tight, r) for r in after]
-    assert tight.core.idle() and not tight.scheduler.running()
+    assert tight.engine.idle() and not tight.engine.scheduler.running()
 
 
 def test_a_prompt_shared_by_several_requests_is_prefilled_once(runner, plans):

@@ -16,7 +16,7 @@ from backends.cpu.layout import ExpertWeights, prepare
 from model import TINY, forward, init_params
 from model.quant import QuantizedWeight8bit, dequantize, quantize
 from model.sharding import make_mesh, path_str
-from runner import ModelRunner
+from runner import Executor, ModelRunner
 from tests.test_quant import quantize_params
 
 needs_kernel = pytest.mark.skipif(not build.available(), reason=f"CPU kernels: {build.unavailable_reason()}")
@@ -169,7 +169,7 @@ def test_int8_weights_run_on_the_int8_kernels_without_a_float_copy():
     them as int8, and the logits are the dequantised model's up to float32 rounding."""
     params = quantize_params(init_params(TINY, jax.random.PRNGKey(0)), groups=2)
     engine = ModelRunner(model=TINY, params=params, backend="cpu")
-    engine.initialize()
+    engine = Executor.create(engine)
     assert engine.selection.backend.int8 == {"moe", "projections"}
     assert "int8 weights read as int8: moe, projections" in engine.backend_report()
     layer = engine.params["transformer"]["decoder_layer_0"]
@@ -180,7 +180,7 @@ def test_int8_weights_run_on_the_int8_kernels_without_a_float_copy():
     deq = ModelRunner(model=TINY, params=jax.tree_util.tree_map(
         lambda w: dequantize(w, jnp.float32), params, is_leaf=lambda x: isinstance(x, QuantizedWeight8bit)),
         backend="xla")
-    deq.initialize()
+    deq = Executor.create(deq)
     tokens, lengths = np.array([[5, 9, 13, 2, 7], [3, 4, 0, 0, 0]], np.int32), np.array([5, 2], np.int32)
     np.testing.assert_allclose(engine.forward(engine.params, tokens, lengths), deq.forward(deq.params, tokens, lengths),
                                atol=1e-4, rtol=1e-4)
@@ -208,7 +208,7 @@ def test_float_weights_quantised_at_load_run_as_int8():
 
     params = init_params(TINY, jax.random.PRNGKey(0))
     engine = ModelRunner(model=TINY, params=params, backend="cpu", quantize="int8")
-    engine.initialize()
+    engine = Executor.create(engine)
     assert isinstance(_moe_weight(engine), panel.Int8PanelWeight)
     assert isinstance(_moe_weight_of(params), jax.Array)  # the caller's tree is untouched
     quantized = quantize_at_load(params)
@@ -223,7 +223,7 @@ def test_float_weights_quantised_at_load_run_as_int8():
     floats = np.asarray(forward(params, tokens, TINY, backend=XLA()).logits)
     assert 0 < np.abs(got - floats).max() < 0.05 * np.abs(floats).max()  # the int8 rounding, and only that
     with pytest.raises(ValueError, match="quantize must be None or 'int8', got 'int4'"):
-        ModelRunner(model=TINY, params=params, quantize="int4").initialize()
+        Executor.create(ModelRunner(model=TINY, params=params, quantize="int4"))
 
 
 def test_panel_matmul_rejects_what_it_cannot_do():
@@ -280,7 +280,7 @@ def _moe_weight(engine):
 def test_backend_cpu_holds_float32_weights_in_panels_on_one_cpu_device():
     params = init_params(TINY, jax.random.PRNGKey(0))
     engine = ModelRunner(model=TINY, params=params, backend="cpu")
-    engine.initialize()
+    engine = Executor.create(engine)
     assert engine.selection.backend == CPU(on=frozenset(OPERATIONS)), engine.backend_report()
     assert all(choice.kernel for choice in engine.selection.choices.values())
     assert engine.backend_report().startswith("backend: cpu (on the C++ kernels: moe, projections")
@@ -295,7 +295,7 @@ def test_backend_cpu_holds_float32_weights_in_panels_on_one_cpu_device():
 def test_backend_xla_keeps_the_canonical_parameters():
     params = init_params(TINY, jax.random.PRNGKey(0))
     engine = ModelRunner(model=TINY, params=params, backend="xla")
-    engine.initialize()
+    engine = Executor.create(engine)
     assert engine.selection.backend == XLA(grouped="loop")  # on CPU: ragged_dot would run every expert
     assert engine.backend_report() == "backend: xla (the MoE's grouped matmul: a loop of dots per expert) (backend='xla')"
     assert not isinstance(_moe_weight(engine), (ExpertWeights, panel.PanelWeight))
@@ -306,35 +306,35 @@ def test_auto_keeps_xla_ops_where_a_kernel_does_not_apply():
     wide = dataclasses.replace(TINY, key_size=160)
     heads = ModelRunner(model=wide, params=init_params(wide, jax.random.PRNGKey(0)), calibration_tokens=8,
                         backend="auto")
-    heads.initialize()
+    heads = Executor.create(heads)
     assert "attention: XLA (it needs head sizes up to 128" in heads.backend_report()
     mesh = make_mesh((1, 2), jax.devices()[:2])
     sharded = ModelRunner(model=TINY, params=params, mesh=mesh, backend="auto")
-    sharded.initialize()
+    sharded = Executor.create(sharded)
     assert sharded.selection.backend == XLA(grouped="loop")
     assert "auto: the mesh has 2 cpu devices" in sharded.backend_report()
     assert not isinstance(_moe_weight(sharded), ExpertWeights)
     with pytest.raises(ValueError, match="backend='cpu' runs on one CPU device; the mesh has 2 cpu devices"):
-        ModelRunner(model=TINY, params=params, mesh=mesh, backend="cpu").initialize()
+        Executor.create(ModelRunner(model=TINY, params=params, mesh=mesh, backend="cpu"))
     # experts partly int8 are not packed: asking for every kernel is an error, not a no-op
     mixed = jax.tree_util.tree_map_with_path(
         lambda path, w: quantize(w) if "moe/linear/" in path_str(path) else w, params)
     with pytest.raises(ValueError, match="moe needs experts all float or all int8, and these are float32, int8"):
-        ModelRunner(model=TINY, params=mixed, backend="cpu").initialize()
+        Executor.create(ModelRunner(model=TINY, params=mixed, backend="cpu"))
     with pytest.raises(ValueError, match="backend must be one of"):
-        ModelRunner(model=TINY, params=params, backend="gpu").initialize()
+        Executor.create(ModelRunner(model=TINY, params=params, backend="gpu"))
 
 
 def test_without_the_kernels_the_cpu_backend_keeps_xla_ops(monkeypatch):
     monkeypatch.setattr(build, "_build", lambda: "no C++ compiler found (test)")
     params = init_params(TINY, jax.random.PRNGKey(0))
     engine = ModelRunner(model=TINY, params=params, backend="auto")
-    engine.initialize()
+    engine = Executor.create(engine)
     assert engine.selection.backend == CPU()
     assert isinstance(_moe_weight(engine), ExpertWeights)
     assert "moe: XLA (it needs no C++ compiler found (test))" in engine.backend_report()
     with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
-        ModelRunner(model=TINY, params=params, backend="cpu").initialize()
+        Executor.create(ModelRunner(model=TINY, params=params, backend="cpu"))
 
 
 def test_prepare_without_kernels_splits_experts_and_packs_nothing():

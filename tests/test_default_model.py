@@ -76,8 +76,8 @@ def test_the_shipped_int8_weights_are_read_as_int8_with_the_dequantised_logits()
                InferenceRunner(runner=ModelRunner(checkpoint_path=str(DEFAULT), backend="xla", dequantize=True),
                                batch_size=1)]
     for runner in runners:
-        runner.initialize(warmup=False)  # only the variants the test uses are compiled
-    int8, floats = (runner.runner for runner in runners)
+        runner = runner.initialize(warmup=False)  # only the variants the test uses are compiled
+    int8, floats = (runner.engine.executor for runner in runners)
     layer = int8.params["transformer"]["decoder_layer_0"]
     assert isinstance(layer["moe"]["linear"]["w"], ops.Int8PanelWeight)
     assert isinstance(layer["multi_head_attention"]["value"]["w"], ops.Int8PanelWeight)

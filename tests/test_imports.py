@@ -89,7 +89,7 @@ def test_the_cycle_finder_finds_a_cycle_through_a_package():
 
 def test_the_project_has_no_import_cycles():
     edges = graph()
-    assert len(edges) > 40 and "model.layers" in edges and "backends.xla" in edges["model.layers"]
+    assert len(edges) > 40 and "model.layers" in edges and "model.memory" in edges["model.layers"]
     cycle = find_cycle(edges)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -98,7 +98,7 @@ def test_the_model_imports_no_cpu_backend_and_does_no_io():
     edges = graph()
     for name, imported in edges.items():
         if name == "model" or name.startswith("model."):
-            assert not {m for m in imported if m.startswith("backends.cpu")}, (name, imported)
+            assert not {m for m in imported if m.split(".")[0] == "backends"}, (name, imported)  # takes it as an argument
             assert not {m for m in imported if m.split(".")[0] in ("runner", "checkpoints", "server", "bench")}, name
     for path in (ROOT / "model").rglob("*.py"):
         tree = ast.parse(path.read_text())

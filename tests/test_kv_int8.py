@@ -13,7 +13,7 @@ import pytest
 
 from backends import XLA
 from model import TINY, QuantizedKV, forward, new_memory, quantize_kv
-from runner import InferenceRunner, ModelRunner, Request
+from runner import Executor, InferenceRunner, ModelRunner, Request
 from tests.test_core import mixed, solo, tokens
 from tests.test_prefix_cache import shared
 from tests.test_runner import BUDGET, CONFIG, PAD_SIZES, collect, params, prompt_ids  # noqa: F401 (a fixture)
@@ -59,7 +59,7 @@ def test_quantize_kv_rounds_each_vector_within_half_its_scale():
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         new_memory(TINY, 2, dtype="int4")
     with pytest.raises(ValueError, match=r"ModelRunner.kv_dtype must be None or one of .*'float8'"):
-        ModelRunner(model=TINY, kv_dtype="float8").initialize()  # before anything is placed or compiled
+        Executor.create(ModelRunner(model=TINY, kv_dtype="float8"))  # before anything is placed or compiled
 
 
 def test_a_prompt_prefilled_whole_or_token_by_token_reads_the_same_int8_cache(tiny_params):
@@ -135,14 +135,14 @@ def int8_runner(params):  # noqa: F811
     kernel (backend "cpu": the int8 attention kernel serves its decode steps)."""
     r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params, backend="cpu", kv_dtype="int8"), batch_size=4,
                         pad_sizes=PAD_SIZES, max_num_batched_tokens=BUDGET, prefix_cache_blocks=14, prefix_block_size=8)
-    r.initialize()
+    r = r.initialize()
     return r
 
 
 def test_the_int8_runner_decodes_what_the_model_does(int8_runner, params):  # noqa: F811
     """Greedy tokens of the runner (prefill calls, decode steps on the int8 attention kernel) are
     the model's own greedy tokens over an int8 cache (XLA, one row, no runner)."""
-    assert int8_runner.runner.selection.backend.on >= {"attention"}
+    assert int8_runner.engine.executor.selection.backend.on >= {"attention"}
     assert isinstance(int8_runner.state.memory.k[0], QuantizedKV)
     for i, length in enumerate((5, 19, 40)):
         prompt = prompt_ids(700 + i, length)
@@ -161,9 +161,9 @@ def test_int8_requests_keep_their_tokens_among_neighbours_and_across_the_prefix_
     requests = [shared(prefix, i) for i in range(5)] + [mixed(i) for i in range(3)]
     want = {}
     for r in requests:
-        int8_runner.scheduler.prefix.clear()  # alone and without the cache
+        int8_runner.engine.scheduler.prefix.clear()  # alone and without the cache
         want[r.request_id] = solo(int8_runner, r)
-    int8_runner.scheduler.prefix.clear()
+    int8_runner.engine.scheduler.prefix.clear()
     got = collect(int8_runner.run(requests[:1]))  # saves the prefix's blocks
     got.update(collect(int8_runner.run(requests[1:])))  # neighbours; the shared ones read the blocks
     for r in requests:
@@ -180,9 +180,9 @@ def test_a_recycled_int8_block_carries_nothing_of_its_previous_owner(int8_runner
     again = Request(prompts[-1], temperature=0.9, rng_seed=8, max_len=6)
     want = {}
     for r in requests + [again]:
-        int8_runner.scheduler.prefix.clear()
+        int8_runner.engine.scheduler.prefix.clear()
         want[r.request_id] = solo(int8_runner, r)
-    int8_runner.scheduler.prefix.clear()
+    int8_runner.engine.scheduler.prefix.clear()
     assert [c.token_ids for c in int8_runner.generate(requests)] == [want[r.request_id] for r in requests]
     events = list(int8_runner.run([again]))  # its blocks: recycled ones, each written before by another prompt
     assert events[0].cached_tokens == 32 and tokens(events) == want[again.request_id]

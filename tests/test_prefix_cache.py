@@ -22,7 +22,7 @@ def cached(params):  # noqa: F811
 
     r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=4, pad_sizes=PAD_SIZES,
                         max_num_batched_tokens=BUDGET, prefix_cache_blocks=POOL, prefix_block_size=BLOCK)
-    r.initialize()
+    r = r.initialize()
     return r
 
 
@@ -69,7 +69,7 @@ def test_chunked_prompts_copies_and_eviction_keep_every_token(cached, runner):  
     # distinct prompts fill the 14-block pool and evict the prefix's blocks, least recently used first
     others = [Request(prompt_ids(810 + i, 40), temperature=0.0, max_len=4) for i in range(3)]
     assert [c.token_ids for c in cached.generate(others)] == [solo(runner, r) for r in others]
-    assert len(cached.scheduler.prefix) <= POOL
+    assert len(cached.engine.scheduler.prefix) <= POOL
     late = shared(prefix, 22)
     events = list(cached.run([late]))
     assert events[0].cached_tokens < 48, "the prefix survived three 5-block prompts in a 14-block pool"
@@ -81,22 +81,22 @@ def test_blocks_of_a_request_cancelled_mid_prefill_are_whole(cached, runner):  #
     request with the same prompt reads them and computes the rest, with the tokens it gets alone."""
     prompt = prompt_ids(803, 56)  # chunks 32 + 24
     seen = []
-    real = cached.scheduler.schedule
+    real = cached.engine.scheduler.schedule
 
     def schedule():
         seen.append(real())
         return seen[-1]
 
-    cached.scheduler.schedule = schedule
+    cached.engine.scheduler.schedule = schedule
     try:
         stream = cached.run()
         request = Request(prompt, temperature=0.0, max_len=5)
         stream.submit(request)
-        cached.core.wait_for(lambda: len(seen) >= 1)  # its first chunk only
+        cached.engine.wait_for(lambda: len(seen) >= 1)  # its first chunk only
         assert stream.cancel(request.request_id)
         assert [e.finish_reason for e in iter(lambda: next(stream), None)] == ["cancelled"]
     finally:
-        del cached.scheduler.schedule
+        del cached.engine.scheduler.schedule
     again = Request(prompt, temperature=0.0, max_len=5)
     events = list(cached.run([again]))
     assert events[0].cached_tokens == 32 and tokens(events) == solo(runner, again)
@@ -166,14 +166,14 @@ def test_pool_settings_are_checked(params):  # noqa: F811
         r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=4, pad_sizes=PAD_SIZES,
                             **fields)
         with pytest.raises(ValueError, match=match):
-            r.initialize(warmup=False)
+            r = r.initialize(warmup=False)
     auto = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=2, pad_sizes=PAD_SIZES,
                            prefix_cache_blocks="auto")
-    auto.initialize(warmup=False)
-    assert auto.prefix_cache_blocks == 2 * CONFIG.sequence_len // 16
+    auto = auto.initialize(warmup=False)
+    assert auto.engine.executor.prefix_blocks == 2 * CONFIG.sequence_len // 16
     assert np.asarray(auto.state.pool.k[0]).shape == (8, CONFIG.num_kv_heads, 16, CONFIG.key_size)
     block = CONFIG.kv_bytes_per_token() * 16  # K and V of every layer, 16 positions
     sized = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=2, pad_sizes=PAD_SIZES,
                             prefix_cache_bytes=5 * block + block // 2)
-    sized.initialize(warmup=False)
-    assert sized.prefix_cache_blocks == 5 and sized.state.pool.num_blocks == 5
+    sized = sized.initialize(warmup=False)
+    assert sized.engine.executor.prefix_blocks == 5 and sized.state.pool.num_blocks == 5

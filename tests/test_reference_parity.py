@@ -103,7 +103,7 @@ def test_each_layer_tracks_the_bf16_intermediates_within_measured_bounds(referen
     positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
     mask = attention_mask(jnp.asarray(tokens), jnp.full((b,), t), bf16.pad_token)
     # the embedding exactly: rows rounded to bf16, times sqrt(D) in bf16 (as model.py does)
-    embed = LanguageModelHead(bf16).apply({"params": ref_params["language_model"]}, jnp.asarray(tokens),
+    embed = LanguageModelHead(bf16, XLA()).apply({"params": ref_params["language_model"]}, jnp.asarray(tokens),
                                           method="embed")
     np.testing.assert_array_equal(np.asarray(embed, np.float32), saved["embed_in"])
     bounds = {"attn_out": 0.04, "router_probs": 0.01, "moe_out": 0.025, "h_out": 0.015}

@@ -10,7 +10,7 @@ from backends import XLA
 from model import TINY, forward, init_params
 from runner import InferenceRunner, ModelRunner, Request, sample_from_model
 from runner.compile_count import compilations
-from runner.scheduler import empty_batch
+from runner.batches import empty_batch
 from tests.helpers import lively
 
 CONFIG = dataclasses.replace(TINY, vocab_size=320)
@@ -27,7 +27,7 @@ def params():
 def runner(params, test_tokenizer):
     r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=4,
                         pad_sizes=PAD_SIZES, tokenizer_path=test_tokenizer, max_num_batched_tokens=BUDGET)
-    r.initialize()
+    r = r.initialize()
     return r
 
 
@@ -125,12 +125,12 @@ def test_eos_and_stop_tokens_end_a_request(runner, greedy_reference):
     stop = full[4]
     done = runner.generate([prompt], temperature=0.0, max_len=12, stop_token_ids=[stop])[0]
     assert done.token_ids == full[: full.index(stop) + 1] and done.finish_reason == "stop"
-    original = runner.scheduler.eos_token
+    original = runner.engine.outputs.eos_token
     try:
-        runner.scheduler.eos_token = full[6]  # the EOS id every request's stop ids start with
+        runner.engine.outputs.eos_token = full[6]  # the EOS id every request's stop ids start with
         done = runner.generate([prompt], temperature=0.0, max_len=12)[0]
     finally:
-        runner.scheduler.eos_token = original
+        runner.engine.outputs.eos_token = original
     assert done.token_ids == full[: full.index(full[6]) + 1] and done.finish_reason == "eos"
     assert runner.generate([prompt], temperature=0.0, max_len=3)[0].finish_reason == "length"
 
@@ -142,6 +142,39 @@ def test_no_compilation_after_warmup(runner):
     collect(runner.run(mixed_requests(50)))
     runner.generate(["the house", "a letter from her sister"], temperature=0.5, rng_seed=1, max_len=5)
     runner.generate(["the house"] * 3, temperature=0.5, rng_seed=1, max_len=5)  # one prefill, two forks
+    assert compilations() == before
+
+
+def test_nothing_compiles_while_serving_any_feature(params, test_tokenizer):
+    """Every variant a request can reach is compiled at start: counted from the end of
+    ``initialize`` (no warm-up request), a load that cancels waiting and running requests, forks
+    (one prompt for several requests), scores prompts, constrains to a JSON schema, speculates,
+    reads the prefix cache and samples with every rule compiles nothing."""
+    r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=4, pad_sizes=PAD_SIZES,
+                        tokenizer_path=test_tokenizer, max_num_batched_tokens=BUDGET, score_prompts=True,
+                        speculative=2, prefix_cache_blocks="auto").initialize()
+    before = compilations()
+    stream = r.run()
+    loop = prompt_ids(3, 4) * 5  # a repeating prompt: its drafts are accepted
+    long = Request(prompt_ids(50, 5), temperature=0.0, max_len=40)  # cancelled while it runs
+    requests = [long] + mixed_requests(12) + [
+        Request(loop, temperature=0.0, max_len=12), Request(loop, temperature=0.0, max_len=12, speculative=1),
+        Request(prompt_ids(40, 20), prompt_logprobs=2, logprobs=3, max_len=3),
+        Request("the house", json_schema={"type": "object"}, temperature=0.0, max_len=12),
+        Request(prompt_ids(41, 9), repetition_penalty=1.3, presence_penalty=0.5, min_tokens=2, max_len=6)]
+    requests += [Request(prompt_ids(42, 30), temperature=0.7, rng_seed=i, max_len=4) for i in range(3)]  # forks
+    for q in requests:
+        stream.submit(q)
+    stream.cancel(requests[-4].request_id)  # waiting
+    ended = set()
+    for event in iter(lambda: next(stream), None):
+        if event.index == 1 and event.request_id == long.request_id:
+            assert stream.cancel(event.request_id)  # running
+        if event.finish_reason:
+            ended.add(event.request_id)
+    assert ended == {q.request_id for q in requests}
+    assert r.engine.scheduler.prefix.queries > 0
+    r.generate([prompt_ids(42, 30)] * 2, max_len=3)  # the prefix cache's blocks, read
     assert compilations() == before
 
 
@@ -239,19 +272,19 @@ def test_sample_from_model_is_reference_compatible(runner):
 
 
 def test_the_four_functions_are_usable_on_their_own(runner, params):
-    engine = runner.runner
+    engine = runner.engine.executor  # its jitted steps, called on a state of the test's own
     tokens = np.array([prompt_ids(90, 8)], np.int32)
     logits = engine.forward(engine.params, tokens, np.array([8]))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(forward(params, tokens, CONFIG, backend=XLA()).logits), atol=1e-5)
     state = engine.new_state()
-    batch = empty_batch(2, 8, runner.batch_size, vocab_size=CONFIG.vocab_size)  # one request in slot 2, a padding row
+    batch = empty_batch(2, 8, runner.num_slots, vocab_size=CONFIG.vocab_size)  # one request in slot 2, a padding row
     batch.slots[0], batch.tokens[0], batch.lengths[0] = 2, tokens[0], 8
-    batch.reset[0] = batch.last[0] = True
+    batch.first[0] = batch.last[0] = True
     batch.settings.temperature[0], batch.max_len[0], batch.stop_ids[0, 0] = 0, 3, CONFIG.eos_token
-    state, first, _, _ = engine.prefill_memory(engine.params, state, batch, kv_len=64, score=False)
+    state, first, _, _ = engine._prefill(engine.params, state, batch, kv_len=64, score=False)
     assert int(first.sample.token_id[0, 0]) == int(np.asarray(logits)[0, -1].argmax())
     assert np.asarray(first.valid).tolist() == [[True, False]]
-    state, out = engine.sample_step(engine.params, state, engine.no_mask, kv_len=64, steps=4)
+    state, out = engine._decode(engine.params, state, engine.no_mask, kv_len=64, steps=4)
     # max_len 3: the first token came from prefill, two more from decode, then the slot stops itself
     np.testing.assert_array_equal(np.asarray(out.valid)[:, 2], [True, True, False, False])
     assert not np.asarray(out.valid)[:, [0, 1, 3]].any()

@@ -13,7 +13,7 @@ def fixture_runner(reference_dir):
     runner = InferenceRunner(
         runner=ModelRunner(checkpoint_path=str(reference_dir / "ckpt"), model=_fixture_config(), dtype="float32"),
         pad_sizes=(16, 64), batch_size=1)
-    runner.initialize(warmup=False)  # tokens are what these tests check: only the variants they use compile
+    runner = runner.initialize(warmup=False)  # tokens are what these tests check: only the variants they use compile
     return runner
 
 

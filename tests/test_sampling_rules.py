@@ -13,7 +13,7 @@ import pytest
 from backends import XLA
 from runner import Request
 from runner.sampling import Constraints, SampleSettings, filter_logits, process_logits, unpack_mask
-from runner.scheduler import seed_key
+from runner.batches import seed_key
 from tests.test_runner import CONFIG, collect, params, prompt_ids, runner, tokens_of  # noqa: F401 (fixtures)
 
 
@@ -84,7 +84,7 @@ def test_seeds_are_64_bit_and_distinct():
 
 def host_loop(runner, prompt, n, rp=1.0, fp=0.0, pp=0.0, banned_until=0, stop=()):
     """Greedy decoding by full forwards, each step's logits under the rules in numpy."""
-    engine = runner.runner
+    engine = runner.engine.executor
     seq, out = list(prompt), []
     counts = np.zeros(CONFIG.vocab_size, np.int64)
     seen = np.zeros(CONFIG.vocab_size, bool)
@@ -136,7 +136,8 @@ def test_min_tokens_and_ignore_eos(runner):
     assert all(t not in (stop, CONFIG.eos_token) for t in held.token_ids[:6])
     # ignore_eos: EOS is an ordinary token (the stop rule's list loses it); the budget ends the request
     request = Request(prompt, temperature=0.0, max_len=5, ignore_eos=True)
-    from runner.scheduler import finish_reason, stop_ids
+    from runner.batches import stop_ids
+    from runner.outputs import finish_reason
     assert CONFIG.eos_token not in stop_ids(request, CONFIG.eos_token)
     assert finish_reason(CONFIG.eos_token, request, CONFIG.eos_token) == "length"
     done = runner.complete(request)
@@ -170,7 +171,7 @@ def grammar_loop(runner, prompt, schema, n):
     numpy (llguidance's own bitmask), argmax, the grammar advanced; until the document is complete."""
     from runner.grammar import Matcher, apply_bitmask_numpy, num_mask_words
 
-    engine, matcher = runner.runner, Matcher(runner.grammar_of(Request([1], json_schema=schema)))
+    engine, matcher = runner.engine.executor, Matcher(runner.grammar_of(Request([1], json_schema=schema)))
     words = np.zeros(num_mask_words(CONFIG.vocab_size), np.uint32)
     seq, out = list(prompt), []
     for _ in range(n):

@@ -25,7 +25,7 @@ def test_prompt_chunks_cover_the_prompt_and_pad_little(sizes, sequence_len):
 
 def scheduler(budget=512, batch=8, sequence_len=2048, steps=4):
     return Scheduler(batch, default_pad_sizes(sequence_len), default_kv_buckets(sequence_len), sequence_len,
-                     budget, steps, eos_token=2, vocab_size=64)
+                     budget, steps)
 
 
 def submit(s, *lengths):

@@ -56,7 +56,7 @@ def _runner(params, tokenizer, batch_size=4):
     r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=batch_size,
                         pad_sizes=(8, 16, 32), tokenizer_path=tokenizer, max_num_batched_tokens=32,
                         score_prompts=True)
-    r.initialize()
+    r = r.initialize()
     return r
 
 
@@ -239,11 +239,11 @@ def _wait(condition, what: str, limit: float = 10):
 def rounds_by_hand(runner):
     """Hold the engine core's rounds: none runs but those the test runs itself, by calling what
     this yields (the core's own thread waits for the lock meanwhile)."""
-    runner.core._round_lock.acquire()
+    runner.engine._round_lock.acquire()
     try:
-        yield runner.core._round
+        yield runner.engine._round
     finally:
-        runner.core._round_lock.release()
+        runner.engine._round_lock.release()
 
 
 def test_a_disconnect_cancels_the_request_and_frees_its_slot(served):
@@ -252,7 +252,7 @@ def test_a_disconnect_cancels_the_request_and_frees_its_slot(served):
     body = {"model": MODEL, "prompt": "the", "max_tokens": 60, "temperature": 0, "stream": True}
     with rounds_by_hand(runner) as round_:  # the request cannot finish by itself meanwhile
         with httpx.stream("POST", live.url + "/v1/completions", json=body) as r:
-            _wait(lambda: sum(runner.core.counts()) == 1, "the request was not submitted")
+            _wait(lambda: sum(runner.engine.counts()) == 1, "the request was not submitted")
             round_(), round_()  # its prefill, and a decode call that reads the prefill's token
             assert next(r.iter_lines()).startswith("data: ")
         time.sleep(0.5)  # the server notices the disconnect and queues the cancellation
@@ -464,14 +464,14 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(served, capl
         with socket.create_connection(("127.0.0.1", int(live.url.rsplit(":", 1)[1])), timeout=10) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            _wait(lambda: sum(runner.core.counts()) == 2, "the request was not submitted")
+            _wait(lambda: sum(runner.engine.counts()) == 2, "the request was not submitted")
             round_(), round_()  # both choices' prefills, and a decode call: they run
-            assert runner.core.counts()[0] == 2
+            assert runner.engine.counts()[0] == 2
         _wait(lambda: any("disconnected before its answer" in r.message for r in caplog.records),
               "the disconnect was not noticed")
     _wait(lambda: _metric(live, "vllm:request_success_total", 'finished_reason="abort"') == aborted + 2,
           "the requests were not counted as aborted")
-    _wait(runner.core.idle, "the requests still run")
+    _wait(runner.engine.idle, "the requests still run")
     assert _metric(live, "vllm:request_success_total", 'finished_reason="length"') == done
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
 
@@ -498,14 +498,14 @@ def test_shutdown_ends_requests_in_flight_with_an_error(one_slot):
         body = {"model": MODEL, "prompt": "the", "max_tokens": 50, "temperature": 0}
         with rounds_by_hand(one_slot) as round_:  # nothing finishes by itself from here on
             with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as stream:
-                _wait(lambda: sum(one_slot.core.counts()) == 1, "the stream's request was not submitted")
+                _wait(lambda: sum(one_slot.engine.counts()) == 1, "the stream's request was not submitted")
                 round_(), round_()
                 lines = stream.iter_lines()
                 assert next(lines).startswith("data: ")
                 whole = {}
                 waiter = threading.Thread(target=lambda: whole.update(r=httpx.post(url, json=body, timeout=30)))
                 waiter.start()
-                _wait(lambda: sum(one_slot.core.counts()) == 2, "the second request was not submitted")
+                _wait(lambda: sum(one_slot.engine.counts()) == 2, "the second request was not submitted")
                 server.begin_drain()
                 assert httpx.get(live.url + "/health").status_code == 503
                 refused = httpx.post(url, json=body)
@@ -517,7 +517,7 @@ def test_shutdown_ends_requests_in_flight_with_an_error(one_slot):
                 assert "shutting down" in whole["r"].json()["error"]["message"]
                 rest = [line for line in lines if line]
                 assert rest[-1] == "data: [DONE]" and "shutting down" in json.loads(rest[-2][6:])["error"]["message"]
-        _wait(one_slot.core.idle, "the ended requests still run")
+        _wait(one_slot.engine.idle, "the ended requests still run")
 
 
 def test_the_shipped_model_served_end_to_end(shipped_runner):
@@ -590,7 +590,7 @@ def multihost_runner(tokenizer):
     # one bucket under a 16-token budget: one prefill variant to compile (each process compiles its own)
     runner = InferenceRunner(runner=ModelRunner(model=MULTIHOST, params=multihost_params()), batch_size=4, pad_sizes=(16,),
                              mesh=make_mesh((2, 4)), tokenizer_path=tokenizer, max_num_batched_tokens=16)
-    runner.initialize()
+    runner = runner.initialize()
     return runner
 
 
@@ -747,7 +747,7 @@ def test_logprobs_name_the_chosen_token_as_its_alternatives_do(served):
         # name is among them (names are distinct: 5 alternatives, 5 keys)
         done = runner.complete(Request(runner.tokenizer.encode("caf\u00e9 \u2603"), temperature=1.0, rng_seed=seed,
                                        max_len=12, logprobs=5))
-        events = list(runner.core.scheduler.running())  # nothing left running
+        events = list(runner.engine.scheduler.running())  # nothing left running
         assert not events and len(lp["tokens"]) == len(done.token_ids)
         for name, value, tops in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
             assert len(tops) == 5
@@ -783,14 +783,14 @@ def test_metrics_count_each_token_errors_and_kv_positions(served, monkeypatch):
     with rounds_by_hand(runner) as round_:
         with httpx.stream("POST", live.url + "/v1/completions", json={
                 "model": MODEL, "prompt": "the house", "max_tokens": 30, "stream": True}) as s:
-            _wait(lambda: sum(runner.core.counts()) == 1, "the request was not submitted")
+            _wait(lambda: sum(runner.engine.counts()) == 1, "the request was not submitted")
             round_(), round_(), round_()
-            held, available = runner.scheduler.kv_usage()
+            held, available = runner.engine.scheduler.kv_usage()
             assert 0 < held < runner.config.sequence_len
             assert _metric(live, "vllm:kv_cache_usage_perc") == pytest.approx(held / available)
     _wait(lambda: _metric(live, "vllm:num_requests_running") == 0, "the stream's slot was not freed")
     # a request that fails while served: an error (not an abort), a 500 the client does not retry
-    import runner.core as core
+    import runner.outputs as core
 
     errors = _metric(live, "vllm:request_success_total", 'finished_reason="error"')
     aborts = _metric(live, "vllm:request_success_total", 'finished_reason="abort"')

@@ -22,7 +22,7 @@ from model import GROK_1, TINY, forward, init_params, new_memory
 from model.plan import abstract_params, memory_plan
 from model.sharding import (DEFAULT_RULES, EXPERT_PARALLEL_RULES, logical_axes, make_mesh, memory_specs, param_specs,
                             path_str)
-from runner import InferenceRunner, ModelRunner, Request
+from runner import Executor, InferenceRunner, ModelRunner, Request
 from tests.helpers import REPO, lively
 from tests.test_quant import quantize_params
 
@@ -138,7 +138,7 @@ def single_device(shard_params, single_device_logits):
     """The logits, and the tokens a single-device runner serves (a runner's every variant compiled)."""
     runner = InferenceRunner(runner=ModelRunner(model=SHARD, params=shard_params), batch_size=8, pad_sizes=(8, 16),
                              max_num_batched_tokens=BUDGET)
-    runner.initialize()
+    runner = runner.initialize()
     return (*single_device_logits, generate(runner))
 
 
@@ -160,13 +160,13 @@ def test_meshes_match_single_device(shard_params, plain_params, single_device, s
     tokens, lengths, want_logits, want_tokens = single_device
     mesh = make_mesh(shape, jax.devices()[: shape[0] * shape[1]])
     plain = ModelRunner(model=SHARD, params=plain_params)
-    plain.initialize(mesh, batch_size=8)
+    plain = Executor.create(plain, mesh, batch_size=8)
     logits = plain.forward(plain.params, tokens, lengths)
     assert_close_fp32(np.asarray(logits), want_logits)
     runner = InferenceRunner(runner=ModelRunner(model=SHARD, params=shard_params), batch_size=8,
                              pad_sizes=(8, 16), mesh=mesh, max_num_batched_tokens=BUDGET)
-    runner.initialize()
-    engine = runner.runner
+    runner = runner.initialize()
+    engine = runner.engine.executor
     assert generate(runner) == want_tokens
     # outputs carry the declared shardings: on a mesh the canonical stacked weights with their
     # specs; on one CPU device the CPU backend's layout (split per expert, or in panels where the
@@ -190,7 +190,7 @@ def test_expert_parallelism_matches(plain_params, single_device_logits):
     tokens: the slow test below)."""
     tokens, lengths, want_logits = single_device_logits
     plain = ModelRunner(model=SHARD, params=plain_params, rules=EXPERT_PARALLEL_RULES)
-    plain.initialize(make_mesh((2, 4)), batch_size=8)
+    plain = Executor.create(plain, make_mesh((2, 4)), batch_size=8)
     w = plain.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
     assert w.sharding.spec == P("model", None, "data")
     assert_close_fp32(np.asarray(plain.forward(plain.params, tokens, lengths)), want_logits)
@@ -202,8 +202,8 @@ def test_expert_parallel_serving_matches(shard_params, single_device):
     mesh = make_mesh((2, 4))
     runner = InferenceRunner(runner=ModelRunner(model=SHARD, params=shard_params, rules=EXPERT_PARALLEL_RULES),
                              batch_size=8, pad_sizes=(8, 16), mesh=mesh, max_num_batched_tokens=BUDGET)
-    runner.initialize()
-    engine = runner.runner
+    runner = runner.initialize()
+    engine = runner.engine.executor
     w = engine.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
     assert w.sharding.spec == P("model", None, "data")
     assert generate(runner) == want_tokens
@@ -223,7 +223,7 @@ def test_scale_groups_work_on_any_model_axis(plain_params, groups, shape):
     want = np.asarray(forward(qparams, tokens, SHARD, backend=XLA()).logits)
     mesh = make_mesh(shape, jax.devices()[: shape[0] * shape[1]])
     engine = ModelRunner(model=SHARD, params=qparams, backend="xla")  # stacked, as stored
-    engine.initialize(mesh, batch_size=8)
+    engine = Executor.create(engine, mesh, batch_size=8)
     down = engine.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
     expected_g = "model" if groups % shape[1] == 0 else None  # G sharded where the mesh divides it
     assert down.scales.sharding.spec[1] == expected_g
@@ -233,8 +233,8 @@ def test_scale_groups_work_on_any_model_axis(plain_params, groups, shape):
 
 def test_kv_memory_is_never_resharded_inside_a_step(shard_params):
     engine = ModelRunner(model=SHARD, params=shard_params)
-    engine.initialize(make_mesh((2, 4)), batch_size=8)
-    step = engine.sample_step.variant(kv_len=SHARD.sequence_len, steps=2)
+    engine = Executor.create(engine, make_mesh((2, 4)), batch_size=8)
+    step = engine._decode.variant(kv_len=SHARD.sequence_len, steps=2)
     hlo = step.lower(engine.params, engine.new_state(), engine.no_mask).compile().as_text()
     collectives = [line for line in hlo.splitlines()
                    if re.search(r"\b(all-to-all|all-gather|collective-permute|all-reduce|reduce-scatter)(-start)?\(", line)]
@@ -255,7 +255,7 @@ def multihost_case():
     params = jax.tree_util.tree_map(np.asarray, lively(init_params(MULTIHOST, jax.random.PRNGKey(5))))
     runner = InferenceRunner(runner=ModelRunner(model=MULTIHOST, params=params), batch_size=4,
                              pad_sizes=(8, 16), mesh=make_mesh((2, 4)), max_num_batched_tokens=BUDGET)
-    runner.initialize()
+    runner = runner.initialize()
     requests = [Request(p, temperature=0.0, max_len=10) for p in PROMPTS[:3]]
     requests.append(Request(PROMPTS[3], temperature=1.0, rng_seed=11, max_len=10))
     return [c.token_ids for c in runner.generate(requests)]
@@ -290,7 +290,7 @@ def test_plan_matches_real_array_sizes(shard_params):
     qparams = quantize_params(shard_params, groups=2)
     mesh = make_mesh((2, 4))
     engine = ModelRunner(model=SHARD, params=qparams)
-    engine.initialize(mesh, batch_size=8)
+    engine = Executor.create(engine, mesh, batch_size=8)
     plan = memory_plan(SHARD, jax.eval_shape(lambda: qparams), mesh_shape=(2, 4), batch_size=8)
     device = mesh.devices.flat[0]
     real = {}

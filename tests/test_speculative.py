@@ -93,7 +93,7 @@ def runners(params, test_tokenizer):
     def make(speculative):
         runner = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=3,
                                  pad_sizes=(16, 32), speculative=speculative, tokenizer_path=test_tokenizer)
-        runner.initialize()
+        runner = runner.initialize()
         return runner
 
     return make(0), make(4)
@@ -180,10 +180,10 @@ def test_failing_drafts_back_off_then_probe_again(runners):
     and grows by one with every fully accepted draft (now of 0s, which the model says)."""
     from types import SimpleNamespace
 
-    from runner.engine import PROBE_AFTER, speculate
+    from runner.speculative import PROBE_AFTER, speculate
 
     _, spec = runners
-    engine, v = spec.runner, spec.config.vocab_size
+    engine, v = spec.engine.executor, spec.config.vocab_size
     state = engine.new_state()
     b, s = state.history.shape
     state = state.replace(
@@ -214,10 +214,10 @@ def test_stalls_in_a_row_double_the_wait(runners):
     says a new one each step) stalls at every probe: it waits 16, 32, 64, 128, 128 steps."""
     from types import SimpleNamespace
 
-    from runner.engine import MAX_DOUBLINGS, PROBE_AFTER, speculate
+    from runner.speculative import MAX_DOUBLINGS, PROBE_AFTER, speculate
 
     _, spec = runners
-    engine, v = spec.runner, spec.config.vocab_size
+    engine, v = spec.engine.executor, spec.config.vocab_size
     state = engine.new_state()
     b, s = state.history.shape
     state = state.replace(

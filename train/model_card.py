@@ -23,7 +23,7 @@ def generations(directory: str):
     from runner import InferenceRunner, ModelRunner, Request
 
     runner = InferenceRunner(runner=ModelRunner(checkpoint_path=directory), batch_size=1)
-    runner.initialize()
+    runner = runner.initialize()
     max_len = min(80, runner.config.sequence_len - 24)
     out = []
     for prompt, temp, seed in [(PROMPT, 0.0, None), (PROMPT, 0.8, 1), ("Emma Woodhouse, handsome, clever, and rich,", 0.8, 2),

@@ -1,0 +1,355 @@
+"""``Executor``: parameters on a mesh, the decode state, and the compiled steps that change it.
+
+It knows arrays, not requests or text: the engine (``runner/engine.py``) hands it host batches
+(``runner.state.PrefillBatch``, a ``TokenMask``) and static shapes, and it dispatches one jitted
+call per operation, each named once, as the reference runner names them where it has a name:
+
+- ``forward(params, tokens, lengths)`` -> logits of whole sequences (scoring, tests, parity);
+- ``new_memory()`` -> a zeroed ``KVMemory`` with its sharding (batch over ``data``, KV heads over
+  ``model``);
+- ``prefill_memory(batch, kv_len, score)``: the prompt chunks of several requests into their slots,
+  each last chunk's first token sampled (``runner.steps.prefill``); a variant per (rows, bucket,
+  KV length, score);
+- ``sample_step(kv_len, steps, mask, speculative)``: ``steps`` decode steps of every slot
+  (``runner.steps.decode``); a variant per (KV length, steps, speculative);
+- ``fork(logits, row, source, batch)``: a slot's cache copied to a request with the same prompt;
+- ``release(slot)``: a slot stops at once (its request was cancelled or failed).
+
+The decode state (``runner/state.py``) is one pytree donated to every call, so XLA updates it in
+place; those calls and ``reset`` are the only ways it changes. ``compile`` builds every variant
+the scheduler can ask for before serving, so serving never compiles. All shardings derive from the
+rules in ``model/sharding.py``; sampled outputs are replicated so every host can read them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from model.config import ModelConfig
+from model.memory import KV_DTYPES, KVMemory, kv_zeros, new_memory
+from model.quant import quantize_params
+from model.sharding import (DEFAULT_RULES, KV_MEMORY_AXES, activation_sharding, make_mesh, memory_specs,
+                            param_shardings, spec_for)
+from model.transformer import LanguageModel
+from runner.batches import empty_batch
+from runner.model_runner import ModelRunner
+from runner.sampling import SampleOutput, SampleSettings
+from runner.selection import BACKENDS, Selection, choose, one_cpu_device, start
+from runner.state import MAX_STOP_IDS, DecodeOutput, DecodeState, PrefillBatch, PrefixPool, TokenMask
+from runner.steps import decode, fork, prefill
+
+
+log = logging.getLogger("grok_runner")
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """What ``Executor.create`` restored or was given: the config (with the activations' dtype),
+    the canonical parameters, the mesh, and the tokenizer the checkpoint holds (None: none)."""
+
+    config: ModelConfig
+    params: dict
+    mesh: Mesh
+    tokenizer_path: str | None
+
+
+class Executor:
+    """The parameters (in the backend's layout, placed), the decode state and the jitted steps of
+    one model served in ``batch_size`` slots. Made ready by ``create``."""
+
+    def __init__(self, spec: ModelRunner, loaded: Loaded, batch_size: int, selection: Selection,
+                 prefix_blocks: int, prefix_block_size: int):
+        self.spec, self.config, self.mesh = spec, loaded.config, loaded.mesh
+        self.rules = DEFAULT_RULES if spec.rules is None else spec.rules
+        self.tokenizer_path, self.batch_size, self.selection = loaded.tokenizer_path, batch_size, selection
+        self.kv_dtype = spec.kv_dtype
+        self.prefix_blocks, self.prefix_block_size = prefix_blocks, prefix_block_size
+        # shardings of the canonical parameters; the backend's layout is derived from them in place
+        self.param_shardings = param_shardings(loaded.params, self.mesh, self.rules)
+        self.params = selection.backend.prepare(jax.device_put(loaded.params, self.param_shardings))
+        self._build()
+        self.state = self.new_state()
+
+    @classmethod
+    def create(cls, spec: ModelRunner, mesh: Mesh | None = None, batch_size: int | None = None,
+               prefix_blocks: int | str = 0, prefix_block_size: int = 16, prefix_bytes: int = 0) -> "Executor":
+        """Restore (or place) ``spec``'s parameters, choose the backend and build the compiled
+        steps and the decode state, with a prefix pool (``runner.prefix_cache``) of
+        ``prefix_blocks`` blocks of ``prefix_block_size`` positions ("auto": as many as the slots
+        hold positions), or of as many as ``prefix_bytes`` hold (0: none)."""
+        if spec.backend not in BACKENDS:
+            raise ValueError(f"ModelRunner.backend must be one of {BACKENDS}, got {spec.backend!r}")
+        if spec.kv_dtype is not None and spec.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"ModelRunner.kv_dtype must be None or one of {KV_DTYPES}, got {spec.kv_dtype!r}")
+        if spec.quantize not in (None, "int8"):
+            raise ValueError(f"ModelRunner.quantize must be None or 'int8', got {spec.quantize!r}")
+        mesh = mesh or spec.mesh or make_mesh((1, 1), jax.devices()[:1])
+        start(spec.backend, mesh)  # the kernels' compiler runs while the checkpoint is restored
+        loaded = _load(spec, mesh)
+        batch_size = batch_size or max(1, int(spec.bs_per_device * mesh.size))
+        data = mesh.shape["data"]
+        if batch_size % data:
+            raise ValueError(f"batch_size {batch_size} is not divisible by the mesh's data axis ({data})")
+        config = loaded.config
+        if prefix_blocks == "auto":  # once the checkpoint's sequence_len is known
+            prefix_blocks = -(-batch_size * config.sequence_len // prefix_block_size)
+        elif prefix_bytes and not prefix_blocks:
+            prefix_blocks = prefix_bytes // (config.kv_bytes_per_token(_cache_dtype(config, spec.kv_dtype))
+                                             * prefix_block_size)
+        selection = choose(spec.backend, mesh, config, loaded.params, batch_size, spec.calibration_tokens,
+                           spec.kv_dtype)
+        for line in selection.report().splitlines():
+            log.info("%s", line)
+        log.info("%s", kv_report(config, spec.kv_dtype))
+        return cls(spec, loaded, batch_size, selection, prefix_blocks, prefix_block_size)
+
+    # ---- what it runs and holds ----------------------------------------------------------------
+    def backend_report(self) -> str:
+        """The backend and why; for the CPU backend one line per kernel: taken or XLA's op, and the
+        measured ratio or the reason."""
+        return self.selection.report()
+
+    def cache_dtype(self) -> str:
+        """What the KV cache and the prefix pool hold: ``kv_dtype``, by default the activations'."""
+        return _cache_dtype(self.config, self.kv_dtype)
+
+    def kv_report(self) -> str:
+        """One line: what the KV cache (and the prefix pool) holds, and its bytes a token."""
+        return kv_report(self.config, self.kv_dtype)
+
+    def prefix_block_bytes(self) -> int:
+        """Bytes of one prefix pool block: K and V of every layer over ``prefix_block_size`` positions."""
+        return self.config.kv_bytes_per_token(self.cache_dtype()) * self.prefix_block_size
+
+    # ---- shardings ---------------------------------------------------------------------------
+    def _named(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def state_shardings(self, memory: KVMemory) -> DecodeState:
+        batch = spec_for(("batch",), self.rules)
+        row, table = self._named(batch), self._named(P(*batch, None))
+        named = lambda tree: jax.tree_util.tree_map(self._named, tree, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
+        return DecodeState(
+            memory=named(memory_specs(memory, self.rules, self.mesh)), tokens=row,
+            settings=SampleSettings(*(row for _ in dataclasses.fields(SampleSettings))),
+            keys=table, active=row, remaining=row, stop_ids=table, unstoppable=row, counts=table, seen=table,
+            history=table, speculative=row, draft_len=row, wait=row, misses=row, pool=self._pool_shardings())
+
+    def _pool_shardings(self) -> PrefixPool | None:
+        """The prefix pool's: its blocks replicated over ``data`` (any slot may read any block),
+        its KV heads split like the cache's."""
+        if not self.prefix_blocks:
+            return None
+        block = self._named(P(None, *spec_for(KV_MEMORY_AXES[1:], self.rules)))
+        return jax.tree_util.tree_map(lambda _: block, jax.eval_shape(self._new_pool))
+
+    def _new_pool(self) -> PrefixPool:
+        c = self.config
+        shape = (self.prefix_blocks, c.num_kv_heads, self.prefix_block_size, c.key_size)
+        return PrefixPool(k=tuple(kv_zeros(shape, self.cache_dtype()) for _ in range(c.num_layers)),
+                          v=tuple(kv_zeros(shape, self.cache_dtype()) for _ in range(c.num_layers)))
+
+    # ---- the jitted steps ----------------------------------------------------------------------
+    def _build(self) -> None:
+        config, b, backend = self.config, self.batch_size, self.selection.backend
+        module = LanguageModel(config, backend)
+
+        def apply(*args):
+            with activation_sharding(self.mesh, self.rules):  # active while tracing only
+                return module.apply(*args)
+
+        params_sh = jax.tree_util.tree_map(lambda a: a.sharding, self.params)  # the backend's layout, placed
+        state_sh = self.state_shardings(jax.eval_shape(lambda: new_memory(config, b, dtype=self.kv_dtype)))
+        replicated = self._named(P())
+        out_sh = SampleOutput(*(replicated for _ in range(4)))
+        rows = jax.tree_util.tree_map(lambda _: replicated, jax.eval_shape(lambda: self.empty_batch(1, 1)))
+        mask_sh = TokenMask(words=state_sh.counts, on=state_sh.active, hold=state_sh.active)
+        step_out_sh = DecodeOutput(out_sh, replicated, replicated)
+        self.forward = jax.jit(lambda params, tokens, lengths: apply({"params": params}, tokens, None, lengths).logits,
+                               in_shardings=(params_sh, None, None))
+        self.new_memory = jax.jit(lambda: new_memory(config, b, dtype=self.kv_dtype), out_shardings=state_sh.memory)
+        self._new_pool_jit = jax.jit(self._new_pool, out_shardings=state_sh.pool) if self.prefix_blocks else None
+        # One jitted function per static setting, each with explicit shardings (a prefill's is also
+        # compiled per shape of its batch); ``compile`` builds every variant before serving.
+        self._prefill = _PerStatic(lambda kv_len, score=False: jax.jit(
+            functools.partial(prefill, apply, backend, kv_len=kv_len, score=score),
+            in_shardings=(params_sh, state_sh, rows),
+            out_shardings=(state_sh, step_out_sh, replicated, replicated), donate_argnums=1))
+        spec_out_sh = DecodeOutput(out_sh, replicated, replicated, replicated, replicated, replicated)
+        decode_out_sh = DecodeOutput(out_sh, replicated, replicated, ready=replicated)
+        self._decode = _PerStatic(lambda kv_len, steps, speculative=0: jax.jit(
+            functools.partial(decode, apply, backend, kv_len=kv_len, steps=steps, speculative=speculative),
+            in_shardings=(params_sh, state_sh, mask_sh),
+            out_shardings=(state_sh, spec_out_sh if speculative else decode_out_sh), donate_argnums=1))
+        self._mask_shardings = mask_sh
+        self.no_mask = jax.device_put(self.host_mask(), mask_sh)  # a decode call's mask when no row has one
+        self._fork = jax.jit(functools.partial(fork, backend),
+                             in_shardings=(state_sh, replicated, replicated, replicated, rows),
+                             out_shardings=(state_sh, step_out_sh), donate_argnums=0)
+        self._release = jax.jit(DecodeState.release, in_shardings=(state_sh, replicated),
+                                out_shardings=state_sh, donate_argnums=0)
+        self._state_shardings = state_sh
+
+    # ---- the calls that change the state (dispatched, never waited for) -------------------------
+    def prefill_memory(self, batch: PrefillBatch, kv_len: int, score: bool = False):
+        """One prefill call (``runner.steps.prefill``): the sampled tokens, each row's last logits
+        (left on the device for ``fork``) and, with ``score``, its positions' ``PromptScores``."""
+        self.state, out, logits, scores = self._prefill(self.params, self.state, batch, kv_len=kv_len, score=score)
+        return out, logits, scores
+
+    def fork(self, logits, row: int, source: int, batch: PrefillBatch) -> DecodeOutput:
+        """Slot ``source`` copied into the one-row ``batch``'s slot, its first token sampled from row
+        ``row`` of ``logits`` (``runner.steps.fork``)."""
+        self.state, out = self._fork(self.state, logits, np.int32(row), np.int32(source), batch)
+        return out
+
+    def sample_step(self, kv_len: int, steps: int, mask: TokenMask | None = None, speculative: int = 0) -> DecodeOutput:
+        """``steps`` decode steps of every slot (``runner.steps.decode``), the rows of ``mask`` that
+        are on (host arrays, ``host_mask``) one step under it, or with ``speculative`` (no mask)
+        steps that verify up to that many draft tokens a slot."""
+        mask = self.no_mask if mask is None else jax.device_put(mask, self._mask_shardings)
+        self.state, out = self._decode(self.params, self.state, mask, **_decode_statics(kv_len, steps, speculative))
+        return out
+
+    def release(self, slot: int) -> None:
+        """Stop ``slot`` generating at once (its request was cancelled or failed)."""
+        self.state = self._release(self.state, np.int32(slot))
+
+    def reset(self) -> None:
+        """A fresh state, every slot free (after a device call failed and took the state with it)."""
+        self.state = self.new_state()
+
+    # ---- host arrays of a call's inputs ----------------------------------------------------------
+    def host_mask(self, rows: int | None = None) -> TokenMask:
+        """A ``TokenMask`` of ``rows`` rows (default: the batch) with every row off, as host arrays."""
+        rows = self.batch_size if rows is None else rows
+        return TokenMask(words=np.zeros((rows, -(-self.config.vocab_size // 32)), np.uint32),
+                         on=np.zeros((rows,), bool), hold=np.zeros((rows,), bool))
+
+    def empty_batch(self, rows: int, bucket: int) -> PrefillBatch:
+        """A prefill batch of ``rows`` padding rows of ``bucket`` tokens, with the pool's block tables."""
+        blocks = self.config.sequence_len // self.prefix_block_size if self.prefix_blocks else 0
+        return empty_batch(rows, bucket, self.batch_size, blocks, self.prefix_blocks,
+                           vocab_size=self.config.vocab_size)
+
+    def new_state(self) -> DecodeState:
+        """A fresh decode state: zeroed memory, every slot free."""
+        b, c, sh = self.batch_size, self.config, self._state_shardings
+        put = jax.device_put
+        zeros = lambda shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
+        return DecodeState(
+            memory=self.new_memory(), tokens=put(zeros((b,)), sh.tokens),
+            settings=put(SampleSettings.host(b), sh.settings), keys=put(zeros((b, 2), np.uint32), sh.keys),
+            active=put(zeros((b,), bool), sh.active), remaining=put(zeros((b,)), sh.remaining),
+            stop_ids=put(np.full((b, MAX_STOP_IDS), -1, np.int32), sh.stop_ids),
+            unstoppable=put(zeros((b,)), sh.unstoppable), counts=put(zeros((b, c.vocab_size)), sh.counts),
+            seen=put(zeros((b, c.vocab_size), bool), sh.seen),
+            history=put(np.full((b, c.sequence_len), -1, np.int32), sh.history),
+            speculative=put(zeros((b,)), sh.speculative), draft_len=put(zeros((b,)), sh.draft_len),
+            wait=put(zeros((b,)), sh.wait), misses=put(zeros((b,)), sh.misses),
+            pool=self._new_pool_jit() if self._new_pool_jit is not None else None)
+
+    # ---- warm-up -------------------------------------------------------------------------------
+    def compile(self, prefills: list[tuple[int, int, int, bool]], decodes: list[tuple[int, int, int]]) -> int:
+        """At start (every slot free): compile every variant a serving engine can call, and run
+        each once, so serving never
+        compiles: a prefill call per (rows, bucket, KV length, score) of ``prefills``, a decode
+        call per (KV length, steps, speculative) of ``decodes``, a fork and a release. The variants
+        are traced here, then compiled side by side on the host's cores (XLA compiles without the
+        GIL). Nothing in the state changes (padding rows and free slots only). Returns how many
+        variants there are."""
+        batches = [(self.empty_batch(p, t), kv, score) for p, t, kv, score in prefills]
+        lowered = [self._prefill.variant(kv_len=kv, score=score).lower(self.params, self.state, batch)
+                   for batch, kv, score in batches]
+        statics = [_decode_statics(*d) for d in decodes]
+        lowered += [self._decode.variant(**s).lower(self.params, self.state, self.no_mask) for s in statics]
+        # a fork (slot 0 copied onto itself, nothing started), its logits placed like a prefill's
+        # output (a host array would be another variant); a release of a free slot
+        one = self.empty_batch(1, 1)
+        one.slots[0] = 0
+        logits = jax.device_put(np.zeros((self.batch_size, self.config.vocab_size), np.float32), self._named(P()))
+        lowered.append(self._fork.lower(self.state, logits, np.int32(0), np.int32(0), one))
+        lowered.append(self._release.lower(self.state, np.int32(0)))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
+            list(pool.map(lambda low: low.compile(), lowered))
+        outs = [self.prefill_memory(batch, kv, score) for batch, kv, score in batches]
+        outs.append(self.fork(logits, 0, 0, one))
+        outs += [self.sample_step(**s) for s in statics]
+        self.release(0)  # at start every slot is free: releasing one changes nothing
+        jax.block_until_ready((self.state, outs))
+        return len(lowered)
+
+
+def _decode_statics(kv_len: int, steps: int, speculative: int = 0) -> dict:
+    """The static arguments of a decode variant (a plain call names no ``speculative``)."""
+    return dict(kv_len=kv_len, steps=steps, **({"speculative": speculative} if speculative else {}))
+
+
+def _cache_dtype(config: ModelConfig, kv_dtype: str | None) -> str:
+    return jnp.dtype(config.dtype if kv_dtype is None else kv_dtype).name
+
+
+def kv_report(config: ModelConfig, kv_dtype: str | None) -> str:
+    """One line: what the KV cache (and the prefix pool) holds, and its bytes a token."""
+    kv = _cache_dtype(config, kv_dtype)
+    scales = " (int8 values and a float32 scale a token and KV head)" if kv == "int8" else ""
+    return f"KV cache: {kv}, {config.kv_bytes_per_token(kv):,} bytes a token{scales}"
+
+
+def _load(spec: ModelRunner, mesh: Mesh) -> Loaded:
+    """``spec``'s config and canonical parameters on ``mesh``: restored from its checkpoint, or
+    its own; int8-quantised if it asks; its config in the activations' dtype."""
+    if spec.params is None:
+        loaded = _restore(spec, mesh)
+    elif spec.model is None:
+        raise ValueError("ModelRunner.model (a ModelConfig) is required with params")
+    else:
+        loaded = Loaded(spec.model, spec.params, mesh, None)
+    params = quantize_params(loaded.params) if spec.quantize == "int8" else loaded.params
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
+    # From a checkpoint on CPU the activations are float32 unless bf16 was asked for.
+    dtype = spec.dtype or ("float32" if spec.params is None and on_cpu else None)
+    config = dataclasses.replace(loaded.config, fprop_dtype=dtype) if dtype is not None else loaded.config
+    return dataclasses.replace(loaded, config=config, params=params)
+
+
+def _restore(spec: ModelRunner, mesh: Mesh) -> Loaded:
+    from checkpoints import restore
+
+    if spec.checkpoint_path is None:
+        raise ValueError("ModelRunner needs checkpoint_path or params")
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
+    kernels_may_read_int8 = spec.backend != "xla" and one_cpu_device(mesh)
+    dequantize = on_cpu and not kernels_may_read_int8 if spec.dequantize is None else spec.dequantize
+    # On CPU the float weights are held in the activations' dtype: float32 unless bf16 was asked for.
+    held = (jnp.bfloat16 if spec.dtype == "bfloat16" else np.float32) if on_cpu else None
+    restored = restore(spec.checkpoint_path, mesh=mesh, config=spec.model,
+                       rules=DEFAULT_RULES if spec.rules is None else spec.rules, dequantize=dequantize, dtype=held)
+    return Loaded(restored.config, restored.params, mesh, restored.tokenizer_path)
+
+
+class _PerStatic:
+    """Calls ``make(**statics)(*args)``, making each jitted variant once."""
+
+    def __init__(self, make):
+        self.make = make
+        self.variants = {}
+
+    def variant(self, **statics):
+        """The jitted function for these static settings (``.lower(...)`` etc. work on it)."""
+        key = tuple(sorted(statics.items()))
+        if key not in self.variants:
+            self.variants[key] = self.make(**statics)
+        return self.variants[key]
+
+    def __call__(self, *args, **statics):
+        return self.variant(**statics)(*args)

@@ -1,0 +1,195 @@
+"""The device steps, pure functions of (parameters, decode state, a batch): what the executor
+(``runner/executor.py``) jits, each with the state donated so XLA updates it in place.
+
+- ``prefill``: the prompt chunks of several requests into their slots (with the prefix pool's
+  blocks read and saved inside the call), and the first token of each request whose last chunk
+  it is.
+- ``fork``: a slot's cache copied into another slot for a request with the same prompt, its first
+  token sampled from the prefill's logits under its own settings.
+- ``decode``: ``steps`` decode steps of every slot in one call (a scan), each slot stopping at
+  its EOS, stop tokens or budget; or speculative steps (``runner.speculative.speculate``).
+
+``apply(variables, tokens, memory, lengths, last_only, kv_len)`` is the model, and ``sampler`` the
+backend that ``sample_token`` cuts and summarises on.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from model.memory import KVMemory, set_at
+from runner.sampling import Constraints, sample_token, score_positions
+from runner.speculative import count_down, ready_to_draft, speculate
+from runner.state import DecodeOutput, DecodeState, PrefillBatch, PrefixPool, TokenMask, ends
+
+
+def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_len: int, score: bool = False):
+    """The prompt chunks of ``batch`` (``P`` rows, one request each, in distinct slots) into their
+    slots of ``state``, and the first token of each request whose last chunk it is sampled; the
+    rows attend to (and are copied in and out over) the first ``kv_len`` cache positions only.
+    With ``score`` (static) every position is unembedded and scored against ``batch.targets``
+    (``PromptScores``, else None): prompt log-probabilities, as part of the prefill.
+    ``apply(variables, tokens, memory, lengths, last_only, kv_len)`` is the model; ``sampler`` the
+    backend that ``sample_token`` cuts and summarises on. Pure: jitted with ``state`` donated."""
+    memory, b = state.memory, state.tokens.shape[0]
+    slots = batch.slots  # b for a padding row: read as zeros, written nowhere
+
+    def rows(full):
+        return jnp.take(full[:, :, :kv_len], slots, axis=0, mode="fill", fill_value=0)
+
+    step = jnp.take(memory.step, slots, mode="fill", fill_value=0)
+    k, v = jax.tree_util.tree_map(rows, (memory.k, memory.v))  # arrays, or int8 records (QuantizedKV)
+    if state.pool is not None:  # a first chunk after a cached prefix starts from its blocks
+        k, v = read_prefix(state.pool, batch, k, v, kv_len)
+    starts = jnp.where(batch.first, batch.cached, step)
+    sub = KVMemory(k=k, v=v, step=starts)
+    out = apply({"params": params}, batch.tokens, sub, batch.lengths, not score, kv_len)
+    if state.pool is not None:
+        state = state.replace(pool=save_prefix(state.pool, batch, out.memory, kv_len))
+    if score:
+        scores = score_positions(out.logits, batch.targets, sampler)
+        logits = jnp.take_along_axis(out.logits, jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    else:
+        scores, logits = None, out.logits[:, -1]
+
+    def put(full, new):
+        return set_at(full, (slots, slice(None), slice(None, kv_len)), new)
+
+    k, v = jax.tree_util.tree_map(put, (memory.k, memory.v), (out.memory.k, out.memory.v))
+    memory = KVMemory(k=k, v=v, step=memory.step.at[slots].set(out.memory.step, mode="drop"))
+    state = state.with_prompts(batch, starts)
+    keys, sample_keys = _seeded(batch)
+    # Only a request's last chunk samples: a call of middle chunks never draws or summarises.
+    # (The logits are also returned: a request with the same prompt forks from them, ``fork``.)
+    draw = functools.partial(sample_token, logits, batch.settings, sample_keys, sampler,
+                             _first_rules(batch, state.seen, slots))
+    nothing = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(draw))
+    first = jax.lax.cond(jnp.any(batch.last), draw, lambda: nothing)
+    state, output = _start(state.replace(memory=memory), batch, first, keys)
+    # padded to the batch size: one compiled fork serves prefill calls of any row count
+    logits_BV = jnp.zeros((b, logits.shape[-1]), logits.dtype).at[: logits.shape[0]].set(logits)
+    return state, output, logits_BV, scores
+
+
+def read_prefix(pool: PrefixPool, batch: PrefillBatch, k_rows, v_rows, kv_len: int):
+    """The rows' caches ``[P, K, kv_len, H]`` per layer with positions ``[0, batch.cached)`` of
+    each row taken from its pool blocks ``batch.read`` (a copy: the row never refers to the pool
+    again). Skipped when no row starts from a cached prefix."""
+    nb = kv_len // pool.block_size
+    blocks = batch.read[:, :nb]
+    hit_PS = jnp.arange(kv_len)[None, :] < batch.cached[:, None]
+
+    def one(pool_NKbH, rows_PKSH):
+        got = pool_NKbH[blocks]  # [P, nb, K, b, H]
+        p, _, k, size, h = got.shape
+        got_PKSH = got.transpose(0, 2, 1, 3, 4).reshape(p, k, nb * size, h)
+        return jnp.where(hit_PS[:, None, :, None], got_PKSH.astype(rows_PKSH.dtype), rows_PKSH)
+
+    def read():
+        return jax.tree_util.tree_map(one, (pool.k, pool.v), (k_rows, v_rows))
+
+    return jax.lax.cond(jnp.any(batch.cached > 0), read, lambda: (k_rows, v_rows))
+
+
+def save_prefix(pool: PrefixPool, batch: PrefillBatch, rows: KVMemory, kv_len: int) -> PrefixPool:
+    """``pool`` with block j of each row's cache (``rows``: ``[P, K, kv_len, H]`` per layer, as the
+    call left it) written to pool block ``batch.save[p, j]`` where that is a block (the rest is
+    dropped). The call reads the pool (``read_prefix``) before it writes it."""
+    nb = kv_len // pool.block_size
+    to = batch.save[:, :nb].reshape(-1)
+
+    def one(pool_NKbH, rows_PKSH):
+        p, k, _, h = rows_PKSH.shape
+        blocks = rows_PKSH.reshape(p, k, nb, pool.block_size, h).transpose(0, 2, 1, 3, 4)
+        return set_at(pool_NKbH, to, blocks.reshape(p * nb, k, pool.block_size, h))
+
+    k, v = jax.tree_util.tree_map(one, (pool.k, pool.v), (rows.k, rows.v))
+    return PrefixPool(k=k, v=v)
+
+
+def _seeded(batch: PrefillBatch):
+    """Each row's PRNG key from now on, and the key of its first draw. The keys derive from the
+    seed alone, so chunking or forking never changes a request's samples."""
+    split = jax.vmap(jax.random.split)(batch.seed)  # [P, 2, 2]
+    return split[:, 0], split[:, 1]
+
+
+def _first_rules(batch: PrefillBatch, seen_BV, seen_rows) -> Constraints:
+    """The ``Constraints`` of each row's first token: no output yet, its prompt's tokens (row
+    ``seen_rows[p]`` of ``seen_BV``), its stop ids banned if it has a ``min_tokens``, its mask."""
+    seen = jnp.take(seen_BV, seen_rows, axis=0, mode="fill", fill_value=False)
+    return Constraints(counts=jnp.zeros(seen.shape, jnp.int32), seen=seen,
+                       banned=jnp.where((batch.min_tokens > 0)[:, None], batch.stop_ids, -1),
+                       mask=batch.mask, masked=batch.masked)
+
+
+def _start(state: DecodeState, batch: PrefillBatch, first, keys):
+    """``state.start`` for ``batch``'s last-chunk rows, and the call's output: one step of P rows."""
+    ended = batch.last & ends(first.token_id, batch.stop_ids, batch.max_len - 1)
+    output = DecodeOutput(jax.tree_util.tree_map(lambda a: a[None], first), batch.last[None], ended[None])
+    return state.start(batch, first, keys), output
+
+
+def fork(sampler, state: DecodeState, logits_BV, row, source, batch: PrefillBatch):
+    """Slot ``source``'s cache copied into the slot of the one-row ``batch`` (a request with the
+    same prompt), and that request started with its first token sampled from ``logits_BV[row]``
+    (the last logits of the prefill that wrote ``source``) under its own settings and seed: what
+    its own prefill would have computed, bit for bit. Pure: jitted with ``state`` donated."""
+    memory, dst = state.memory, batch.slots[0]
+
+    def copy(full):
+        return full.at[dst].set(full[source])
+
+    memory = jax.tree_util.tree_map(copy, memory)
+    state = state.replace(memory=memory, seen=copy(state.seen), counts=state.counts.at[dst].set(0),
+                          history=copy(state.history))
+    keys, sample_keys = _seeded(batch)
+    first = sample_token(logits_BV[row][None], batch.settings, sample_keys, sampler,
+                         _first_rules(batch, state.seen, source[None]))
+    return _start(state, batch, first, keys)
+
+
+def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, kv_len: int, steps: int,
+           speculative: int = 0):
+    """``steps`` decode steps of every slot (a scan on device), attending to the first ``kv_len``
+    cache positions; each slot stops where ``ends`` says. A row whose ``mask`` is on takes the
+    first step only, under its mask; one it holds takes none. With ``speculative`` (static, > 0;
+    no mask), each step is ``speculate``'s: up to that many draft tokens a slot verified in one
+    forward. Pure, like ``prefill``."""
+    if speculative:
+        def one_speculative(state, _):
+            return speculate(apply, sampler, params, state, mask, kv_len, speculative)
+
+        state, out = jax.lax.scan(one_speculative, state, jnp.arange(steps))
+        flat = lambda a: a.reshape(steps * (speculative + 1), *a.shape[2:])  # noqa: E731: [n, k + 1, ...] -> [n (k + 1), ...]
+        return state, DecodeOutput(jax.tree_util.tree_map(flat, out.sample), flat(out.valid), flat(out.ended),
+                                   out.drafted, out.accepted, out.ready[-1])
+
+    def one(state, step):
+        split = jax.vmap(jax.random.split)(state.keys)  # [B, 2, 2]
+        keys, sample_keys = split[:, 0], split[:, 1]
+        valid = state.active & ~mask.hold & ~(mask.on & (step > 0))
+        lengths = valid.astype(jnp.int32)  # free, finished, prefilling and waiting slots do not advance
+        out = apply({"params": params}, state.tokens[:, None], state.memory, lengths, False, kv_len)
+        rules = state.constraints(mask.replace(on=mask.on & (step == 0)))
+        sample = sample_token(out.logits[:, 0], state.settings, sample_keys, sampler, rules)
+        tokens = jnp.where(valid, sample.token_id, state.tokens)
+        remaining = state.remaining - lengths
+        ended = valid & ends(tokens, state.stop_ids, remaining)
+        b = tokens.shape[0]
+        rows = jnp.where(valid, jnp.arange(b), b)
+        state = state.replace(memory=out.memory, tokens=tokens, keys=jnp.where(valid[:, None], keys, state.keys),
+                              remaining=remaining, active=state.active & ~ended,
+                              unstoppable=state.unstoppable - lengths,
+                              counts=state.counts.at[rows, tokens].add(1, mode="drop"),
+                              history=state.history.at[rows, out.memory.step].set(tokens, mode="drop"))
+        draft_len, wait = count_down(state, valid)
+        return state.replace(draft_len=draft_len, wait=wait), (sample, valid, ended)
+
+    state, (samples, valid, ended) = jax.lax.scan(one, state, jnp.arange(steps))
+    return state, DecodeOutput(samples, valid, ended, ready=ready_to_draft(state))
+
+
