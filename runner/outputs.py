@@ -3,9 +3,10 @@
 Everything that turns token ids into what a client sees lives here: each request's incremental
 detokenizer, its grammar's matcher (a structured output: the mask of allowed next tokens before a
 call, and each sampled token checked against it after), the name of the reason a request ended,
-its prompt's log-probabilities and its ``TokenEvent``s. The engine calls it on the engine thread,
-where each token's text costs a few microseconds (the detokenizer decodes a window of a few
-pieces, ``runner/tokenizer.py``) and a matcher's mask must be ready before the next call.
+its prompt's log-probabilities and its ``TokenEvent``s. The engine calls it on the engine thread:
+a matcher's mask must be ready before the next call, and each token's text is a decode of a
+window of a few pieces (``runner/tokenizer.py``); moving the text off that thread is not
+measured yet.
 
 Stop *tokens* end a request on the device (``runner.state.ends``); stop *strings* are text, cut
 by the client that asked for them (``server/stops.py``), which cancels the request.
