@@ -278,9 +278,13 @@ class Executor:
         one.slots[0] = 0
         logits = jax.device_put(np.zeros((self.batch_size, self.config.vocab_size), np.float32), self._named(P()))
         lowered.append(self._fork.lower(self.state, logits, np.int32(0), np.int32(0), one))
-        lowered.append(self._release.lower(self.state, np.int32(0)))
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
             list(pool.map(lambda low: low.compile(), lowered))
+        # the release (a tiny program) in this thread, after the others, as it was compiled before
+        # it joined the warm-up: a CI run aborted once inside JAX's compilation-cache write while
+        # it was compiled beside them
+        lowered.append(self._release.lower(self.state, np.int32(0)))
+        lowered[-1].compile()
         outs = [self.prefill_memory(batch, kv, score) for batch, kv, score in batches]
         outs.append(self.fork(logits, 0, 0, one))
         outs += [self.sample_step(**s) for s in statics]
