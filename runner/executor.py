@@ -264,9 +264,9 @@ class Executor:
         each once, so serving never
         compiles: a prefill call per (rows, bucket, KV length, score) of ``prefills``, a decode
         call per (KV length, steps, speculative) of ``decodes``, a fork and a release. The variants
-        are traced here, then compiled side by side on the host's cores (XLA compiles without the
-        GIL). Nothing in the state changes (padding rows and free slots only). Returns how many
-        variants there are."""
+        are traced here, then compiled (side by side on the host's cores where no persistent
+        compilation cache is written: XLA compiles without the GIL). Nothing in the state changes
+        (padding rows and free slots only). Returns how many variants there are."""
         batches = [(self.empty_batch(p, t), kv, score) for p, t, kv, score in prefills]
         lowered = [self._prefill.variant(kv_len=kv, score=score).lower(self.params, self.state, batch)
                    for batch, kv, score in batches]
@@ -278,13 +278,13 @@ class Executor:
         one.slots[0] = 0
         logits = jax.device_put(np.zeros((self.batch_size, self.config.vocab_size), np.float32), self._named(P()))
         lowered.append(self._fork.lower(self.state, logits, np.int32(0), np.int32(0), one))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
-            list(pool.map(lambda low: low.compile(), lowered))
-        # the release (a tiny program) in this thread, after the others, as it was compiled before
-        # it joined the warm-up: a CI run aborted once inside JAX's compilation-cache write while
-        # it was compiled beside them
         lowered.append(self._release.lower(self.state, np.int32(0)))
-        lowered[-1].compile()
+        # Side by side only without a persistent compilation cache: with one, a thread serialising
+        # an executable for it while another compiles crashed XLA:CPU (jaxlib 0.10.2; two fresh-clone
+        # test runs, SIGABRT and SIGSEGV in put_executable_and_time), so each is compiled in turn.
+        workers = 1 if jax.config.jax_compilation_cache_dir else min(len(lowered), os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(lambda low: low.compile(), lowered))
         outs = [self.prefill_memory(batch, kv, score) for batch, kv, score in batches]
         outs.append(self.fork(logits, 0, 0, one))
         outs += [self.sample_step(**s) for s in statics]

@@ -8,8 +8,9 @@ a matcher's mask must be ready before the next call, and each token's text is a 
 window of a few pieces (``runner/tokenizer.py``); moving the text off that thread is not
 measured yet.
 
-Stop *tokens* end a request on the device (``runner.state.ends``); stop *strings* are text, cut
-by the client that asked for them (``server/stops.py``), which cancels the request.
+Stop *tokens* end a request on the device (``runner.state.ends``); stop *strings* are text: each
+request's ``StopMatcher`` (``runner/stops.py``) holds back a tail that may begin one, and a match
+ends the request here (its slot is released: the device did not stop it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Callable, Optional
 
 from runner.requests import PromptLogprob, Request, RequestError, TokenEvent
 from runner.scheduler import RequestState
+from runner.stops import StopMatcher
 from runner.tokenizer import IncrementalDetokenizer
 
 
@@ -37,7 +39,8 @@ class OutputProcessor:
         self.tokenizer, self.eos_token, self.grammar_of = tokenizer, eos_token, grammar_of
 
     def start(self, sequence: RequestState) -> None:
-        """Before ``sequence``'s first chunk is dispatched: its grammar's matcher and its detokenizer."""
+        """Before ``sequence``'s first chunk is dispatched: its grammar's matcher, its detokenizer and
+        its stop strings' matcher."""
         if sequence.request.json_schema is not None:
             from runner.grammar import Matcher
 
@@ -45,6 +48,7 @@ class OutputProcessor:
         sequence.detokenizer = (IncrementalDetokenizer(self.tokenizer, sequence.ids, skip_special_tokens=
                                                        sequence.request.skip_special_tokens)
                                 if self.tokenizer is not None else None)
+        sequence.stops = StopMatcher(list(sequence.request.stop)) if sequence.request.stop else None
 
     @staticmethod
     def first_mask(batch, i: int, sequence: RequestState) -> None:
@@ -94,8 +98,8 @@ class OutputProcessor:
 
     def token(self, sequence: RequestState, out, step: int, column: int) -> tuple[TokenEvent, bool]:
         """The event of the token a call sampled for ``sequence`` (its step ``step``, row
-        ``column``), and whether its grammar ended it (the device did not: its slot must be
-        released). ``RequestError`` if the grammar engine gave up on its schema."""
+        ``column``), and whether its grammar or a stop string ended it (the device did not: its
+        slot must be released). ``RequestError`` if the grammar engine gave up on its schema."""
         sample, request = out.sample, sequence.request
         token = int(sample.token_id[step, column])
         sequence.generated += 1
@@ -115,7 +119,12 @@ class OutputProcessor:
         stopped = reason in ("eos", "stop") and not grammar_done  # a stop token's text is not part of the output
         text = "" if stopped or sequence.detokenizer is None else sequence.detokenizer.add(token)
         if reason is not None:
-            text += self.flush(sequence)
+            text = self.last_text(sequence, text)
+        elif sequence.stops is not None:
+            text = sequence.stops.feed(text)
+        release = grammar_done
+        if sequence.stops is not None and sequence.stops.stopped:  # a stop string: the request ends here
+            release, reason = release or reason is None, "stop"
         logprob, top = None, ()
         if request.logprobs is not None:  # else the call computed none for this row
             logprob = float(sample.logprob[step, column])
@@ -125,12 +134,13 @@ class OutputProcessor:
         prompt = tuple(sequence.scores) if sequence.scored and sequence.generated == 1 else None
         speculation = sequence.drafting.tally if reason is not None and sequence.drafting is not None else None
         event = TokenEvent(request, sequence.generated - 1, token, text, logprob, top, reason,
-                           prompt_logprobs=prompt, cached_tokens=sequence.cached, speculation=speculation)
-        return event, grammar_done
+                           prompt_logprobs=prompt, cached_tokens=sequence.cached, speculation=speculation,
+                           stop_reason=sequence.stops.matched if sequence.stops is not None else None)
+        return event, release
 
     def cancelled(self, sequence: RequestState) -> TokenEvent:
         """The last event of a request cancelled by its client."""
-        return TokenEvent(sequence.request, sequence.generated, None, self.flush(sequence), 0.0, (), "cancelled")
+        return TokenEvent(sequence.request, sequence.generated, None, self.last_text(sequence), 0.0, (), "cancelled")
 
     @staticmethod
     def error(request: Request, index: int, error: Exception | str) -> TokenEvent:
@@ -143,5 +153,10 @@ class OutputProcessor:
         return TokenEvent(request, index, None, "", 0.0, (), "error", error=message, error_field=field)
 
     @staticmethod
-    def flush(sequence: RequestState) -> str:
-        return sequence.detokenizer.flush() if sequence.detokenizer is not None else ""
+    def last_text(sequence: RequestState, text: str = "") -> str:
+        """At the end of a request: ``text`` and what its detokenizer held back, through its stop
+        strings' matcher, which then releases what it held (nothing once a stop string matched)."""
+        text += sequence.detokenizer.flush() if sequence.detokenizer is not None else ""
+        if sequence.stops is None:
+            return text
+        return sequence.stops.feed(text) + sequence.stops.flush()

@@ -26,6 +26,7 @@ INT32_MAX = 2**31 - 1  # token ids, top_k and max_len reach the device as int32
 SEED_MIN, SEED_LIMIT = -(2**63), 2**64
 MAX_LOGPROBS = 20  # alternatives a token may report: the most the OpenAI API asks for
 MAX_SPECULATIVE = 16  # draft tokens a speculative step may verify at most
+MAX_STOP_STRINGS = 4  # stop strings a request may give (OpenAI's limit)
 
 
 def _is_int(value) -> bool:
@@ -72,6 +73,9 @@ class Request:
     max_len: int = 256  # tokens to generate at most
     top_k: int = 0  # 0 = off
     stop_token_ids: Optional[Sequence[int]] = ()  # generation ends after any of these (EOS always ends it)
+    # Stop strings (vLLM's and OpenAI's ``stop``): generation ends where the text contains one; the
+    # string and what follows it are not part of the output (``TokenEvent.stop_reason`` names it).
+    stop: Sequence[str] = ()
     request_id: Optional[str] = None  # assigned if None; unique among the live requests of a runner
     # Log-probabilities, computed only when asked (vLLM's ``logprobs``/``prompt_logprobs``): None:
     # none; k: each generated token's log-probability and its k most likely alternatives (at most
@@ -107,6 +111,12 @@ class Request:
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)  # frozen: the checked values are set once, here
+        self._check_prompt(set_)
+        self._check_sampling(set_)
+        self._check_counts(set_)
+        self._check_stops_and_id(set_)
+
+    def _check_prompt(self, set_) -> None:
         if isinstance(self.prompt, str):
             if not self.prompt:
                 raise ValueError("Request.prompt is empty: expected non-empty text or token ids")
@@ -117,6 +127,9 @@ class Request:
                                  f"{e.start} ({self.prompt[e.start:e.end]!r})") from None
         else:
             set_("prompt", list(_ids_of("prompt", self.prompt, allow_empty=False)))
+
+    def _check_sampling(self, set_) -> None:
+        """The sampling settings: finite numbers in their ranges, flags, the schema."""
         for name in ("temperature", "nucleus_p", "min_p", "repetition_penalty", "frequency_penalty",
                      "presence_penalty"):
             value = getattr(self, name)
@@ -140,6 +153,9 @@ class Request:
         if self.json_schema is not None and not isinstance(self.json_schema, dict):
             raise ValueError(f"Request.json_schema must be a JSON schema (a dict) or None, got "
                              f"{type(self.json_schema).__name__}")
+
+    def _check_counts(self, set_) -> None:
+        """The integer settings: top_k, max_len, min_tokens, the seed, logprobs, speculative."""
         if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
             raise ValueError(f"Request.top_k must be an integer in [0, 2**31) (0 = off), got {self.top_k!r}")
         if not _is_int(self.max_len) or not 0 < self.max_len <= INT32_MAX:
@@ -164,12 +180,19 @@ class Request:
             if self.speculative and clash:
                 raise ValueError(f"Request.speculative={self.speculative} does not combine with {', '.join(clash)}: "
                                  "their rules change with every token of a drafted run; set speculative=0")
+
+    def _check_stops_and_id(self, set_) -> None:
         set_("top_k", int(self.top_k))
         set_("max_len", int(self.max_len))
         set_("min_tokens", int(self.min_tokens))
         set_("rng_seed", None if self.rng_seed is None else int(self.rng_seed))
         stop = () if self.stop_token_ids is None else self.stop_token_ids
         set_("stop_token_ids", _ids_of("stop_token_ids", stop, allow_empty=True))
+        strings = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        if (not isinstance(strings, (list, tuple)) or len(strings) > MAX_STOP_STRINGS
+                or any(not isinstance(s, str) or not s for s in strings)):
+            raise ValueError(f"Request.stop must be up to {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
+        set_("stop", tuple(strings))
         if self.request_id is None:
             set_("request_id", f"req-{next(_ids)}")
         elif not isinstance(self.request_id, str) or not self.request_id:
@@ -241,6 +264,8 @@ class TokenEvent:
     prompt_logprobs: Optional[tuple] = None
     # prompt tokens whose KV came from the prefix cache, not computed (the usage's cached_tokens)
     cached_tokens: int = 0
+    # on the last event of a request that a stop string ended: that string (vLLM's stop_reason)
+    stop_reason: Optional[str] = None
     # on the last event of a request that speculated: its Speculation so far
     speculation: Optional["Speculation"] = None
 

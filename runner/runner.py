@@ -250,6 +250,8 @@ class InferenceRunner:
         if request.prompt_logprobs is not None and not self.score_prompts:
             raise ValueError("Request.prompt_logprobs needs a runner made with score_prompts=True (its scoring "
                              "prefill variants are compiled at start), got a runner without")
+        if request.stop and self.tokenizer is None:
+            raise ValueError("Request.stop needs a runner with a tokenizer (stop strings are matched on the text)")
         if request.json_schema is not None:
             self.grammar_of(request)  # compiled (and cached) now: a schema it cannot take is this request's error
         if request.speculative and request.speculative > self.speculative:

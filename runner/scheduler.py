@@ -81,6 +81,7 @@ class RequestState:
     read_blocks: list = dataclasses.field(default_factory=list)  # the pool blocks holding them
     saved: int = 0  # prompt blocks in the prefix cache: read, or saved by a dispatched chunk
     detokenizer: object = None  # made when it is admitted
+    stops: object = None  # its stop strings' matcher (runner.stops.StopMatcher), if it has any
     matcher: object = None  # its grammar's state (runner.grammar.Matcher), for a structured output
     unread: int = 0  # dispatched calls that sample a token of it, not read yet (a structured output's)
     chunks_done: int = 0  # chunks dispatched (a dispatched chunk always computes all its tokens)

@@ -103,29 +103,58 @@ def endless_reference(schema: Any) -> Optional[str]:
     this models)."""
     if not isinstance(schema, dict):
         return None
-    graph = _Graph()
-    TRUE = graph.node(True)
-    FALSE = graph.node(False)
-    nodes: dict[int, int] = {}  # id(subschema dict) -> its node
-    refs: list[tuple[str, int]] = []  # (the $ref as written, its target's node)
-    pending: list[tuple[dict, int]] = []  # subschemas whose node exists but whose children are not yet made
+    return _Finiteness(schema).endless()
 
-    def node_of(sub: Any) -> int:
+
+class _Finiteness:
+    """The graph of which subschemas admit a finite instance (``_Graph``): a node per subschema,
+    each holding when its own part and every ``$ref``/``allOf`` part and one of each
+    ``anyOf``/``oneOf`` hold."""
+
+    def __init__(self, schema: dict):
+        self.schema, self.graph = schema, _Graph()
+        self.TRUE, self.FALSE = self.graph.node(True), self.graph.node(False)
+        self.nodes: dict[int, int] = {}  # id(subschema dict) -> its node
+        self.refs: list[tuple[str, int]] = []  # (the $ref as written, its target's node)
+        self.pending: list[tuple[dict, int]] = []  # subschemas whose node exists but whose children are not yet made
+
+    def endless(self) -> Optional[str]:
+        root = self.node_of(self.schema)
+        while self.pending:
+            sub, index = self.pending.pop()
+            parts = [self.own_part(sub)]
+            ref = sub.get("$ref")
+            if isinstance(ref, str):
+                target = self.node_of(self.resolve(ref))
+                self.refs.append((ref, target))
+                parts.append(target)
+            if isinstance(sub.get("allOf"), list):
+                parts.extend(self.node_of(s) for s in sub["allOf"])
+            for key in ("anyOf", "oneOf"):
+                if isinstance(sub.get(key), list):
+                    parts.append(self.graph.node(False, [self.node_of(s) for s in sub[key]]))
+            self.graph.children[index] = parts
+        holds = self.graph.holds()
+        if holds[root]:
+            return None
+        return next((ref for ref, target in self.refs if not holds[target]), "#")
+
+    def node_of(self, sub: Any) -> int:
         if sub is True or sub == {}:
-            return TRUE
+            return self.TRUE
         if sub is False:
-            return FALSE
+            return self.FALSE
         if not isinstance(sub, dict):
-            return TRUE  # not a schema: llguidance will say so
-        if id(sub) not in nodes:
-            nodes[id(sub)] = graph.node(True)
-            pending.append((sub, nodes[id(sub)]))
-        return nodes[id(sub)]
+            return self.TRUE  # not a schema: llguidance will say so
+        if id(sub) not in self.nodes:
+            self.nodes[id(sub)] = self.graph.node(True)
+            self.pending.append((sub, self.nodes[id(sub)]))
+        return self.nodes[id(sub)]
 
-    def resolve(ref: str) -> Any:
+    def resolve(self, ref: str) -> Any:
         if not ref.startswith("#"):
             return True  # another document's: not ours to follow (llguidance refuses it)
-        target = schema
+        target = self.schema
         for part in urllib.parse.unquote(ref[1:]).split("/")[1:]:
             part = part.replace("~1", "/").replace("~0", "~")
             if isinstance(target, dict) and part in target:
@@ -136,10 +165,10 @@ def endless_reference(schema: Any) -> Optional[str]:
                 return True  # unresolvable here: llguidance reports a dangling $ref itself
         return target
 
-    def own_part(sub: dict) -> int:
+    def own_part(self, sub: dict) -> int:
         """The instance itself: a literal, or one of its allowed types with what that type must hold."""
         if "const" in sub or "enum" in sub:
-            return TRUE  # a literal value is finite (whether it fits the rest is llguidance's check)
+            return self.TRUE  # a literal value is finite (whether it fits the rest is llguidance's check)
         types = sub.get("type", list(_TYPES))
         types = [types] if isinstance(types, str) else types if isinstance(types, list) else list(_TYPES)
         options = []
@@ -147,17 +176,17 @@ def endless_reference(schema: Any) -> Optional[str]:
             if kind == "object":
                 required = sub.get("required")
                 required = [name for name in required if isinstance(name, str)] if isinstance(required, list) else []
-                options.append(graph.node(True, [property_schema(sub, name) for name in required]))
+                options.append(self.graph.node(True, [self.property_schema(sub, name) for name in required]))
             elif kind == "array":
-                options.append(graph.node(True, needed_items(sub)))
+                options.append(self.graph.node(True, self.needed_items(sub)))
             else:
-                options.append(TRUE)
-        return graph.node(False, options)
+                options.append(self.TRUE)
+        return self.graph.node(False, options)
 
-    def property_schema(sub: dict, name: str) -> int:
+    def property_schema(self, sub: dict, name: str) -> int:
         properties = sub.get("properties")
         if isinstance(properties, dict) and name in properties:
-            return node_of(properties[name])
+            return self.node_of(properties[name])
         patterns = sub.get("patternProperties")
         if isinstance(patterns, dict) and patterns:
             matching = []
@@ -165,14 +194,14 @@ def endless_reference(schema: Any) -> Optional[str]:
                 try:
                     found = re.search(pattern, name)
                 except (re.error, TypeError):
-                    return TRUE  # a regex Python reads otherwise: not modelled
+                    return self.TRUE  # a regex Python reads otherwise: not modelled
                 if found:
-                    matching.append(node_of(value))
+                    matching.append(self.node_of(value))
             if matching:
-                return graph.node(True, matching)
-        return node_of(sub.get("additionalProperties", True))
+                return self.graph.node(True, matching)
+        return self.node_of(sub.get("additionalProperties", True))
 
-    def needed_items(sub: dict) -> list[int]:
+    def needed_items(self, sub: dict) -> list[int]:
         least = sub.get("minItems", 0)
         if not isinstance(least, int) or isinstance(least, bool) or least <= 0:
             return []
@@ -181,27 +210,7 @@ def endless_reference(schema: Any) -> Optional[str]:
         if isinstance(rest, list):  # draft 4's tuple form
             prefix, rest = rest, sub.get("additionalItems", True)
         prefix = prefix if isinstance(prefix, list) else []
-        needed = [node_of(item) for item in prefix[:least]]
+        needed = [self.node_of(item) for item in prefix[:least]]
         if least > len(prefix):
-            needed.append(node_of(rest))
+            needed.append(self.node_of(rest))
         return needed
-
-    root = node_of(schema)
-    while pending:
-        sub, index = pending.pop()
-        parts = [own_part(sub)]
-        ref = sub.get("$ref")
-        if isinstance(ref, str):
-            target = node_of(resolve(ref))
-            refs.append((ref, target))
-            parts.append(target)
-        if isinstance(sub.get("allOf"), list):
-            parts.extend(node_of(s) for s in sub["allOf"])
-        for key in ("anyOf", "oneOf"):
-            if isinstance(sub.get(key), list):
-                parts.append(graph.node(False, [node_of(s) for s in sub[key]]))
-        graph.children[index] = parts
-    holds = graph.holds()
-    if holds[root]:
-        return None
-    return next((ref for ref, target in refs if not holds[target]), "#")

@@ -24,15 +24,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import itertools
 import json
 import logging
 import pathlib
-import re
 import tempfile
 import threading
 import time
-import uuid
 from typing import Optional
 
 import numpy as np
@@ -49,7 +46,7 @@ from server.chat import ChatTemplate
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest, bad_request)
-from server.stops import StopMatcher
+from server.responses import ChatShape, CompletionShape
 
 log = logging.getLogger("grok_runner.server")
 
@@ -109,11 +106,11 @@ class _Sink:
 
 
 class _Choice:
-    """One choice of a response: its text so far, stop-string matching, logprobs, finish reason."""
+    """One choice of a response: its text so far, logprobs, finish reason (the runner applies its
+    stop strings: ``Request.stop``)."""
 
-    def __init__(self, index: int, request: Request, stops: list[str], names: dict[str, str]):
+    def __init__(self, index: int, request: Request, names: dict[str, str]):
         self.index, self.request, self.names = index, request, names  # names: see protocol.bad_request
-        self.matcher = StopMatcher(stops) if stops else None
         # per kept token: id, log-probability, alternatives, offset of its text in the output (the
         # detokenizer's: a character split over byte pieces belongs to its last piece)
         self.text, self.tokens, self.logprobs, self.tops, self.offsets = "", [], [], [], []
@@ -124,18 +121,15 @@ class _Choice:
         self.failed = False  # it ended with an error of its own
 
     def add(self, event, top: int) -> str:
-        """The new text this event releases (stop strings applied); records its token."""
+        """The new text this event releases; records its token (unless a stop string took all of
+        its text: the stop string is not part of the output)."""
         piece = event.text
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
         self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
         if event.speculation is not None:
             self.speculation = event.speculation
-        if self.matcher is not None:
-            piece = self.matcher.feed(piece)
-            if self.matcher.stopped:
-                self.finish_reason = "stop"
-        if event.token_id is not None and not (self.matcher is not None and self.matcher.stopped and not piece):
+        if event.token_id is not None and not (event.stop_reason is not None and not piece):
             self.offsets.append(len(self.text))
             self.tokens.append(event.token_id)
             self.logprobs.append(event.logprob)
@@ -150,8 +144,6 @@ class _Choice:
                 raise APIError(500, f"the request failed while being served: {event.error}", None,
                                type="server_error", headers={"x-should-retry": "false"})
             self.finish_reason = "length" if event.finish_reason == "length" else "stop"
-            if self.matcher is not None:
-                piece += self.matcher.flush()
         self.text += piece
         return piece
 
@@ -255,6 +247,14 @@ class Server:
 
         public_docs = {} if not self.private else {"docs_url": None, "redoc_url": None, "openapi_url": None}
         app = FastAPI(title="grok1-jax-runner", lifespan=lifespan, **public_docs)
+        self._error_handlers(app)
+        self._pages(app)
+        self._api(app)
+        return app
+
+    @staticmethod
+    def _error_handlers(app: FastAPI) -> None:
+        """Every error in OpenAI's shape: ours, an unknown route or method, a bug (logged)."""
 
         @app.exception_handler(APIError)
         async def api_error(request, e: APIError):
@@ -277,6 +277,9 @@ class Server:
         @app.exception_handler(ClientGone)
         async def client_gone(request, e: ClientGone):  # logged where it was noticed; nobody to answer
             return Response(status_code=400)
+
+    def _pages(self, app: FastAPI) -> None:
+        """The chat page, ``/health``, the docs (behind the key on a private server), ``/metrics``."""
 
         @app.get("/", include_in_schema=False)
         async def chat_page():  # a page to try the model in a browser: static, nothing fetched from outside
@@ -313,6 +316,9 @@ class Server:
             self.metrics.update_load(*self.runner.usage())
             self.metrics.update_prefix_cache(*self.runner.prefix_cache_counts())
             return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def _api(self, app: FastAPI) -> None:
+        """The OpenAI API and the tokenizer's endpoints."""
 
         @app.get("/v1/models")
         async def models(request: HTTPRequest):
@@ -356,8 +362,6 @@ class Server:
                     raise APIError(400, f"tokens: ids outside [0, {self.runner.config.vocab_size}): {bad[:5]}",
                                    "tokens")
                 return {"prompt": self.runner.tokenizer.decode(body.tokens)}
-
-        return app
 
     # ---- checks ------------------------------------------------------------------------------------
     def _authorize(self, request: HTTPRequest) -> None:
@@ -498,7 +502,7 @@ class Server:
         """The text pieces of one choice as they come: all the events waiting at once make one
         piece (a decode call brings several tokens together; one chunk each would cost the HTTP
         path a JSON dump and a client parse per token). Cancels its request if the consumer
-        stops early (a disconnect) or a stop string matched."""
+        stops early (a disconnect)."""
         request, last = choice.request, None
         try:
             while not choice.done:
@@ -646,80 +650,37 @@ class Server:
             self._check_scored(ids)
         if echo_only and not echo_logprobs:
             runs = []  # nothing to compute
-        loop = asyncio.get_running_loop()
-        sinks = await asyncio.to_thread(self._submit, runs, names, loop)
-        prompt_tokens = sum(len(i) for i in ids)
-        self.metrics.prompt_tokens.inc(prompt_tokens)
-        choices = ([_Choice(k, r, body.stops(), names) for k, r in enumerate(runs)] if runs else
-                   [_Choice(k, None, [], names) for k in range(len(prompts) * body.n)])
-        top = body.logprobs or 0
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        choices, sinks = await self._start(runs, names, sum(len(i) for i in ids), len(prompts) * body.n)
         prompt_text = [p if isinstance(p, str) else self.runner.tokenizer.decode(p) for p in prompts]
-
-        def logprobs_of(choice, start_token=0, start_text=0):
-            if body.logprobs is None:
-                return None
-            return {"tokens": [self.runner.tokenizer.token_name(t) for t in choice.tokens[start_token:]],
-                    "token_logprobs": choice.logprobs[start_token:],
-                    "top_logprobs": [{self.runner.tokenizer.token_name(t): lp for t, lp in top_} for top_ in choice.tops[start_token:]],
-                    "text_offset": [start_text + o for o in choice.offsets[start_token:]]}
-
-        def with_prompt(choice, lp):
-            """``lp`` (the generated tokens' logprobs, offsets past the echoed prompt) after the
-            prompt's own: its tokens, each one's log-probability given those before it (the first
-            has none) and its alternatives."""
-            entries = choice.prompt_logprobs or ()
-            texts = [self.runner.tokenizer.token_name(e.token_id) for e in entries]
-            offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=0)) if texts else []
-            tops = [None if e.logprob is None else
-                    {self.runner.tokenizer.token_name(t): float(np.log(max(p, 1e-45))) for t, p in e.top_tokens} for e in entries]
-            return {"tokens": texts + lp["tokens"], "token_logprobs": [e.logprob for e in entries] + lp["token_logprobs"],
-                    "top_logprobs": tops + lp["top_logprobs"], "text_offset": offsets + lp["text_offset"]}
-
-        def echoed(choice):
-            p = choice.index // body.n
-            return prompt_text[p] if body.echo else ""
-
-        def usage():
-            return _usage(prompt_tokens, choices, body.n)
-
-        if echo_only:
-            await self._run_all(choices, sinks, top, arrived, http)
-            for c in choices:  # the scoring request's token is not part of the answer
-                c.text, c.tokens, c.logprobs, c.tops, c.offsets, c.finish_reason = "", [], [], [], [], "length"
-
-        if body.stream:
-            sent = {}
-
-            def chunk(choice, piece, first):
-                start = sent.get(choice.index, 0)
-                sent[choice.index] = len(choice.tokens)
-                text = (echoed(choice) if first else "") + piece
-                lp = logprobs_of(choice, start, len(echoed(choice)))
-                if first and echo_logprobs:
-                    lp = with_prompt(choice, lp)
-                out = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": [{"index": choice.index, "text": text, "logprobs": lp,
-                                    "finish_reason": choice.finish_reason}]}
-                return {**out, "usage": usage()} if body.continuous_usage() else out
-
-            final = (lambda: {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                              "choices": [], "usage": usage()}) if body.include_usage() else None
-            if echo_only:
-                return self._stream_done([chunk(c, "", True) for c in choices], final)
-            return await self._stream(choices, sinks, top, arrived, chunk, final, http)
-
+        shape = CompletionShape(body, self.model_name, self.runner.tokenizer, prompt_text,
+                                lambda: _usage(sum(len(i) for i in ids), choices, body.n), echo_logprobs)
         if not echo_only:
-            await self._run_all(choices, sinks, top, arrived, http)
-        out = []
-        for c in choices:
-            lp = logprobs_of(c, 0, len(echoed(c)))
-            if echo_logprobs:
-                lp = with_prompt(c, lp)
-            out.append({"index": c.index, "text": echoed(c) + c.text, "logprobs": lp,
-                        "finish_reason": c.finish_reason})
-        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": out, "usage": usage()}
+            return await self._answer(body, shape, choices, sinks, body.logprobs or 0, arrived, http)
+        await self._run_all(choices, sinks, body.logprobs or 0, arrived, http)
+        for c in choices:  # the scoring request's token is not part of the answer
+            c.text, c.tokens, c.logprobs, c.tops, c.offsets, c.finish_reason = "", [], [], [], [], "length"
+        if body.stream:
+            return self._stream_done([shape.chunk(c, "", True) for c in choices],
+                                     shape.final if body.include_usage() else None)
+        return shape.response(choices)
+
+    async def _start(self, runs: list[Request], names: dict[str, str], prompt_tokens: int, count: int):
+        """Submit ``runs`` (one a choice) and count their prompt tokens; the choices (``count`` empty
+        ones where nothing runs: an echo of prompts alone) and their sinks."""
+        sinks = await asyncio.to_thread(self._submit, runs, names, asyncio.get_running_loop())
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        choices = ([_Choice(k, r, names) for k, r in enumerate(runs)] if runs else
+                   [_Choice(k, None, names) for k in range(count)])
+        return choices, sinks
+
+    async def _answer(self, body, shape, choices, sinks, top: int, arrived: float, http: HTTPRequest):
+        """The answer of either endpoint in its ``shape`` (``server/responses.py``): streamed as SSE
+        chunks (with the usage chunk when asked), or whole once every choice has ended."""
+        if body.stream:
+            final = shape.final if body.include_usage() else None
+            return await self._stream(choices, sinks, top, arrived, shape.chunk, final, http)
+        await self._run_all(choices, sinks, top, arrived, http)
+        return shape.response(choices)
 
     def _check_scored(self, prompts: list[list[int]]) -> None:
         """Echo with logprobs scores at most ``max_scored_tokens`` prompt tokens a request."""
@@ -745,46 +706,6 @@ class Server:
         names = body.api_names("messages")
         (ids,), runs = await asyncio.to_thread(self._prepare, [prompt], make_runs, names)
         turn.release()  # the body is ids now
-        sinks = await asyncio.to_thread(self._submit, runs, names, asyncio.get_running_loop())
-        self.metrics.prompt_tokens.inc(len(ids))
-        choices = [_Choice(k, r, body.stops(), names) for k, r in enumerate(runs)]
-        top = body.top_logprobs or 0
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def entry(t, lp):
-            return {"token": self.runner.tokenizer.token_name(t), "logprob": lp, "bytes": self.runner.tokenizer.token_bytes(t)}
-
-        def logprobs_of(choice, start=0):
-            if not body.logprobs:
-                return None
-            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in tops]}
-                                for t, lp, tops in zip(choice.tokens[start:], choice.logprobs[start:],
-                                                       choice.tops[start:])]}
-
-        def usage():
-            return _usage(len(ids), choices, body.n)
-
-        if body.stream:
-            sent = {}
-
-            def chunk(choice, piece, first):
-                start = sent.get(choice.index, 0)
-                sent[choice.index] = len(choice.tokens)
-                delta = {"role": "assistant", "content": piece} if first else {"content": piece}
-                if choice.done and not piece and not first:
-                    delta = {}
-                out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                       "choices": [{"index": choice.index, "delta": delta, "logprobs": logprobs_of(choice, start),
-                                    "finish_reason": choice.finish_reason}]}
-                return {**out, "usage": usage()} if body.continuous_usage() else out
-
-            final = (lambda: {"id": rid, "object": "chat.completion.chunk", "created": created,
-                              "model": self.model_name, "choices": [], "usage": usage()}) \
-                if body.include_usage() else None
-            return await self._stream(choices, sinks, top, arrived, chunk, final, http)
-
-        await self._run_all(choices, sinks, top, arrived, http)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": logprobs_of(c), "finish_reason": c.finish_reason} for c in choices],
-                "usage": usage()}
+        choices, sinks = await self._start(runs, names, len(ids), body.n)
+        shape = ChatShape(body, self.model_name, self.runner.tokenizer, lambda: _usage(len(ids), choices, body.n))
+        return await self._answer(body, shape, choices, sinks, body.top_logprobs or 0, arrived, http)

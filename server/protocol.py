@@ -25,7 +25,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runner import Request
-from runner.requests import MAX_LOGPROBS  # one limit for the API and the runner
+from runner.requests import MAX_LOGPROBS, MAX_STOP_STRINGS  # one limit for the API and the runner
 
 log = logging.getLogger("grok_runner.server")
 
@@ -51,7 +51,7 @@ _API_NAMES = {"prompt": "prompt", "temperature": "temperature", "nucleus_p": "to
               "presence_penalty": "presence_penalty", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
               "skip_special_tokens": "skip_special_tokens", "json_schema": "response_format",
               "speculative": "speculative"}
-MAX_STOPS = 4
+MAX_STOPS = MAX_STOP_STRINGS  # OpenAI's limit
 
 
 def bad_request(error: ValueError, names: Optional[dict[str, str]] = None) -> APIError:
@@ -216,7 +216,7 @@ class _Body(_Tolerant):
             try:
                 out.append(Request(prompt, temperature=self.temperature, nucleus_p=self.top_p,
                                    top_k=0 if self.top_k == -1 else self.top_k, rng_seed=seed,
-                                   max_len=max_tokens, stop_token_ids=self.stop_token_ids or (),
+                                   max_len=max_tokens, stop_token_ids=self.stop_token_ids or (), stop=self.stops(),
                                    logprobs=logprobs, prompt_logprobs=prompt_logprobs, min_p=self.min_p,
                                    repetition_penalty=self.repetition_penalty,
                                    frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,

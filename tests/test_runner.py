@@ -178,6 +178,29 @@ def test_nothing_compiles_while_serving_any_feature(params, test_tokenizer):
     assert compilations() == before
 
 
+def test_stop_strings_end_a_request_in_the_runner(runner):
+    """A stop string ends its request where the text first holds it (across token boundaries), the
+    string and what follows are not in the output, its slot is released at once, and its neighbours'
+    tokens are their own."""
+    free = runner.generate(["the house of her sister"], temperature=0.0, max_len=24)[0]
+    assert len(free.text) > 12
+    cut = len(free.text) // 2
+    stop = free.text[cut: cut + 3]  # a piece of text that may span tokens
+    neighbour = Request(prompt_ids(77, 9), temperature=0.0, max_len=12)
+    alone = runner.complete(neighbour)
+    done, beside = runner.generate([Request("the house of her sister", temperature=0.0, max_len=24, stop=[stop, "zz"]),
+                                    dataclasses.replace(neighbour, request_id=None)])
+    assert done.finish_reason == "stop" and done.text == free.text[: free.text.index(stop)]
+    assert len(done.token_ids) < len(free.token_ids) and done.token_ids == free.token_ids[: len(done.token_ids)]
+    assert beside.token_ids == alone.token_ids
+    assert not runner.engine.scheduler.running() and not np.asarray(runner.state.active).any()
+    events = list(runner.run([Request("the house of her sister", temperature=0.0, max_len=24, stop=stop)]))
+    assert events[-1].stop_reason == stop and "".join(e.text for e in events) == done.text
+    for bad in (["a"] * 5, [""], [3], "", {"x"}):
+        with pytest.raises(ValueError, match="Request.stop"):
+            Request("x", stop=bad)
+
+
 def test_cancellation_frees_the_slot(runner):
     long = [Request(prompt_ids(70 + i, 5), temperature=0.0, max_len=40) for i in range(6)]
     stream = runner.run()  # server mode: next() gives None once idle

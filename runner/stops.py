@@ -1,4 +1,4 @@
-"""Stop strings matched on the generated text across token boundaries.
+"""Stop strings (``Request.stop``) matched on a request's generated text across token boundaries.
 
 Text is released as soon as no stop string can still start in it: a tail that is a prefix of a
 stop string is held back only until the next piece shows whether the match completes. The stop
@@ -13,16 +13,18 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that matched (the earliest in the text)
 
     def feed(self, text: str) -> str:
         """The part of ``held + text`` that is safe to release; sets ``stopped`` at a match."""
         if self.stopped:
             return ""
         buffer = self.held + text
-        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buffer.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            at, self.matched = min(hits)
             self.stopped, self.held = True, ""
-            return buffer[: min(hits)]
+            return buffer[:at]
         keep = 0  # the longest tail of the buffer that begins some stop string
         for s in self.stops:
             for n in range(min(len(s) - 1, len(buffer)), keep, -1):
