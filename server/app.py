@@ -32,7 +32,6 @@ import threading
 import time
 from typing import Optional
 
-import numpy as np
 import pydantic
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
@@ -41,11 +40,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from runner import InferenceRunner, Request
-from runner.requests import Speculation
 from server.chat import ChatTemplate
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest, bad_request)
+from server.choices import SHUTDOWN, Choice, Sink, usage_of
 from server.responses import ChatShape, CompletionShape
 
 log = logging.getLogger("grok_runner.server")
@@ -54,7 +53,6 @@ CHAT_PAGE = pathlib.Path(__file__).with_name("static") / "chat.html"
 # a body up to this size is read into memory; a larger one is spooled to a temporary file while it
 # arrives and waits for its turn there (uvicorn's own buffer of a connection is this size too)
 BODY_IN_MEMORY = 64 << 10
-_SHUTDOWN = object()  # put in a sink when the server ends the requests still in flight
 
 
 class ClientGone(Exception):
@@ -89,85 +87,6 @@ class _Turn:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-class _Sink:
-    """Events of one runner request, handed from the core's thread to the event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
-        self.admitted_at: Optional[float] = None
-
-    def put(self, event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-
-    def admitted(self) -> None:
-        self.admitted_at = time.perf_counter()
-
-
-class _Choice:
-    """One choice of a response: its text so far, logprobs, finish reason (the runner applies its
-    stop strings: ``Request.stop``)."""
-
-    def __init__(self, index: int, request: Request, names: dict[str, str]):
-        self.index, self.request, self.names = index, request, names  # names: see protocol.bad_request
-        # per kept token: id, log-probability, alternatives, offset of its text in the output (the
-        # detokenizer's: a character split over byte pieces belongs to its last piece)
-        self.text, self.tokens, self.logprobs, self.tops, self.offsets = "", [], [], [], []
-        self.prompt_logprobs = None  # its prompt's PromptLogprobs, if its request scored it
-        self.cached_tokens = 0  # its prompt's tokens read from the prefix cache
-        self.speculation = None  # its request's Speculation, on its last event if it speculated
-        self.finish_reason: Optional[str] = None
-        self.failed = False  # it ended with an error of its own
-
-    def add(self, event, top: int) -> str:
-        """The new text this event releases; records its token (unless a stop string took all of
-        its text: the stop string is not part of the output)."""
-        piece = event.text
-        if event.prompt_logprobs is not None:
-            self.prompt_logprobs = event.prompt_logprobs
-        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
-        if event.speculation is not None:
-            self.speculation = event.speculation
-        if event.token_id is not None and not (event.stop_reason is not None and not piece):
-            self.offsets.append(len(self.text))
-            self.tokens.append(event.token_id)
-            self.logprobs.append(event.logprob)
-            self.tops.append([(t, float(np.log(max(p, 1e-45)))) for t, p in event.top_tokens[:top]])
-        if event.finish_reason and self.finish_reason is None:
-            if event.finish_reason == "error":
-                self.failed = True
-                if event.error_field is not None:  # its own input's fault (a schema the engine gave up on)
-                    raise bad_request(ValueError(event.error), self.names)
-                # a 500 the openai clients do not retry (they honour x-should-retry): the same
-                # request would fail the same way, and a retry would cost the server it again
-                raise APIError(500, f"the request failed while being served: {event.error}", None,
-                               type="server_error", headers={"x-should-retry": "false"})
-            self.finish_reason = "length" if event.finish_reason == "length" else "stop"
-        self.text += piece
-        return piece
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-
-def _usage(prompt_tokens: int, choices: list[_Choice], n: int) -> dict:
-    """OpenAI's usage block of a response whose choices come ``n`` per prompt: with the prompt
-    tokens read from the prefix cache (``prompt_tokens_details.cached_tokens``), each prompt's
-    counted once (its copies share one prefill)."""
-    completion = sum(len(c.tokens) for c in choices)
-    cached = sum(max(c.cached_tokens for c in choices[i: i + n]) for i in range(0, len(choices), n))
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-             "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
-    speculated = [c.speculation for c in choices if c.speculation is not None]
-    if speculated:  # ours: the choices' speculative decoding, summed (known once they ended)
-        total = Speculation(*(sum(getattr(s, f) for s in speculated) for f in ("steps", "tokens", "drafted", "accepted")))
-        usage["speculative_decoding"] = {
-            "decode_steps": total.steps, "decode_tokens": total.tokens, "draft_tokens": total.drafted,
-            "accepted_tokens": total.accepted, "acceptance_rate": round(total.acceptance_rate, 4),
-            "tokens_per_step": round(total.tokens_per_step, 4)}
-    return usage
 
 
 class Server:
@@ -209,7 +128,7 @@ class Server:
         self.draining = False  # shutting down: no new requests (503), /health 503
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the event loop serving the app
         self._admission = threading.Lock()  # the load check and the submissions it admits, together
-        self._inflight: set[_Sink] = set()  # the sinks of submitted requests whose responses are not done
+        self._inflight: set[Sink] = set()  # the sinks of submitted requests whose responses are not done
         self._inflight_lock = threading.Lock()
         # large bodies parsed and tokenized at once (see _Turn): one, so the memory they take is
         # one body's (a 4 MB prompt: about 25 MB; a 4 MB /tokenize: its 1M ids, about 180 MB)
@@ -227,7 +146,7 @@ class Server:
         with self._inflight_lock:
             sinks = list(self._inflight)
         for sink in sinks:
-            sink.put(_SHUTDOWN)
+            sink.put(SHUTDOWN)
         return len(sinks)
 
     # ---- the app -------------------------------------------------------------------------------
@@ -472,7 +391,7 @@ class Server:
             raise bad_request(e, names) from None
 
     # ---- running choices -------------------------------------------------------------------------
-    def _submit(self, requests: list[Request], names: dict[str, str], loop) -> list[_Sink]:
+    def _submit(self, requests: list[Request], names: dict[str, str], loop) -> list[Sink]:
         """Every request checked before any is submitted; then, if the load allows all of them,
         all submitted. Runs in a worker thread (a request may hold many prompts)."""
         for r in requests:
@@ -485,7 +404,7 @@ class Server:
             self._check_load(len(requests))
             try:
                 for r in requests:
-                    sink = _Sink(loop)
+                    sink = Sink(loop)
                     with self._inflight_lock:
                         self._inflight.add(sink)
                     self.runner.engine.submit(r, sink)
@@ -498,7 +417,7 @@ class Server:
                 raise bad_request(e, names) from None
         return sinks
 
-    async def _events(self, choice: _Choice, sink: _Sink, top: int, arrived: float):
+    async def _events(self, choice: Choice, sink: Sink, top: int, arrived: float):
         """The text pieces of one choice as they come: all the events waiting at once make one
         piece (a decode call brings several tokens together; one chunk each would cost the HTTP
         path a JSON dump and a client parse per token). Cancels its request if the consumer
@@ -511,11 +430,11 @@ class Server:
                     events.append(sink.queue.get_nowait())
                 now = time.perf_counter()
                 piece = ""
-                tokens = sum(1 for e in events if e is not _SHUTDOWN and e.token_id is not None)
+                tokens = sum(1 for e in events if e is not SHUTDOWN and e.token_id is not None)
                 for event in events:
                     if choice.done:
                         break
-                    if event is _SHUTDOWN:
+                    if event is SHUTDOWN:
                         raise APIError(503, "the server is shutting down: this request was ended before it "
                                        "finished", None, type="service_unavailable")
                     if event.token_id is not None:
@@ -653,7 +572,7 @@ class Server:
         choices, sinks = await self._start(runs, names, sum(len(i) for i in ids), len(prompts) * body.n)
         prompt_text = [p if isinstance(p, str) else self.runner.tokenizer.decode(p) for p in prompts]
         shape = CompletionShape(body, self.model_name, self.runner.tokenizer, prompt_text,
-                                lambda: _usage(sum(len(i) for i in ids), choices, body.n), echo_logprobs)
+                                lambda: usage_of(sum(len(i) for i in ids), choices, body.n), echo_logprobs)
         if not echo_only:
             return await self._answer(body, shape, choices, sinks, body.logprobs or 0, arrived, http)
         await self._run_all(choices, sinks, body.logprobs or 0, arrived, http)
@@ -669,8 +588,8 @@ class Server:
         ones where nothing runs: an echo of prompts alone) and their sinks."""
         sinks = await asyncio.to_thread(self._submit, runs, names, asyncio.get_running_loop())
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        choices = ([_Choice(k, r, names) for k, r in enumerate(runs)] if runs else
-                   [_Choice(k, None, names) for k in range(count)])
+        choices = ([Choice(k, r, names) for k, r in enumerate(runs)] if runs else
+                   [Choice(k, None, names) for k in range(count)])
         return choices, sinks
 
     async def _answer(self, body, shape, choices, sinks, top: int, arrived: float, http: HTTPRequest):
@@ -707,5 +626,5 @@ class Server:
         (ids,), runs = await asyncio.to_thread(self._prepare, [prompt], make_runs, names)
         turn.release()  # the body is ids now
         choices, sinks = await self._start(runs, names, len(ids), body.n)
-        shape = ChatShape(body, self.model_name, self.runner.tokenizer, lambda: _usage(len(ids), choices, body.n))
+        shape = ChatShape(body, self.model_name, self.runner.tokenizer, lambda: usage_of(len(ids), choices, body.n))
         return await self._answer(body, shape, choices, sinks, body.top_logprobs or 0, arrived, http)

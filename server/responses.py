@@ -4,7 +4,7 @@ chat completions, each whole or as server-sent-event chunks.
 A shape is an object with three methods the server calls the same way for both endpoints
 (``Server._answer``): ``chunk(choice, piece, first)`` (one SSE chunk of a choice), ``final()``
 (the usage chunk that ends a stream) and ``response(choices)`` (the whole answer). It only formats:
-the choices (``server.app._Choice``) already hold each one's text, tokens, logprobs and finish
+the choices (``server.choices.Choice``) already hold each one's text, tokens, logprobs and finish
 reason, and the usage comes from ``usage()``.
 """
 
