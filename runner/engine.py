@@ -309,7 +309,7 @@ class Engine:
             one = self.executor.empty_batch(1, 1)
             one.first[0] = one.last[0] = True
             try:
-                self._start(sequence, True)
+                self.outputs.start(sequence)
                 request_row(one, 0, sequence, self.outputs.eos_token)
                 self.outputs.first_mask(one, 0, sequence)
                 self._admitted(sequence, True)
@@ -322,16 +322,13 @@ class Engine:
     def _make_row(self, batch, i: int, row: PrefillRow) -> None:
         """Row ``i`` of ``batch``: ``row``'s chunk, its first mask, and the prefix blocks it saves."""
         first = row.start == row.sequence.cached
-        self._start(row.sequence, first)
+        if first:
+            self.outputs.start(row.sequence)
         prefill_row(batch, i, row, self.outputs.eos_token)
         self.outputs.first_mask(batch, i, row.sequence)
         for block, index in self.scheduler.saves(row):  # last: nothing can fail after it
             batch.save[i, block] = index
         self._admitted(row.sequence, first)
-
-    def _start(self, sequence: RequestState, first: bool) -> None:
-        if first:
-            self.outputs.start(sequence)
 
     @staticmethod
     def _admitted(sequence: RequestState, first: bool) -> None:
