@@ -230,17 +230,22 @@ class Engine:
         with self._changed:
             self._changed.notify_all()
 
-    def compile(self, score_prompts: bool) -> int:
+    def compile(self, score_prompts: bool, cache: Optional[str] = None, startup=None) -> dict:
         """Compile every variant the scheduler can ask the executor for (``Executor.compile``): its
         prefill shapes (the scoring ones with ``score_prompts``), its decode calls' KV lengths and
-        steps, plain and, if requests may speculate, speculative. Returns how many there are."""
+        steps, plain and, if requests may speculate, speculative; each loaded from the store in
+        ``cache`` (``runner.executables``) where it holds it. Returns how many were loaded and
+        compiled."""
         scheduler = self.scheduler
         prefills = [shape + (False,) for shape in sorted(scheduler.prefill_shapes())]
         if score_prompts:
             prefills += [shape + (True,) for shape in sorted(scheduler.prefill_shapes(score=True))]
         steps = sorted(scheduler.step_counts())
-        decodes = [(kv, n, k) for k in sorted({0, scheduler.speculative}) for kv in scheduler.kv_buckets for n in steps]
-        return self.executor.compile(prefills, decodes)
+        # a plain call takes its steps as an argument: one variant a KV bucket, of the most steps
+        decodes = [(kv, steps[-1], 0) for kv in scheduler.kv_buckets]
+        if scheduler.speculative:
+            decodes += [(kv, n, scheduler.speculative) for kv in scheduler.kv_buckets for n in steps]
+        return self.executor.compile(prefills, decodes, self.executor.store(cache), startup)
 
     # ---- one round: plan -> execute -> update ----------------------------------------------------
     def _round(self) -> None:

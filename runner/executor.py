@@ -11,7 +11,8 @@ call per operation, each named once, as the reference runner names them where it
   each last chunk's first token sampled (``runner.steps.prefill``); a variant per (rows, bucket,
   KV length, score);
 - ``sample_step(kv_len, steps, mask, speculative)``: ``steps`` decode steps of every slot
-  (``runner.steps.decode``); a variant per (KV length, steps, speculative);
+  (``runner.steps.decode``); a variant per KV length (the count of steps a dynamic argument up to
+  the most compiled), and per (KV length, steps) of a speculative call;
 - ``fork(logits, row, source, batch)``: a slot's cache copied to a request with the same prompt;
 - ``release(slot)``: a slot stops at once (its request was cancelled or failed).
 
@@ -43,7 +44,9 @@ from model.transformer import LanguageModel
 from runner.batches import empty_batch
 from runner.model_runner import ModelRunner
 from runner.sampling import SampleOutput, SampleSettings
+from runner.executables import open_store, stable_repr, tree_signature
 from runner.selection import BACKENDS, Selection, choose, one_cpu_device, start
+from runner.startup import Startup
 from runner.state import MAX_STOP_IDS, DecodeOutput, DecodeState, PrefillBatch, PrefixPool, TokenMask
 from runner.steps import decode, fork, prefill
 
@@ -77,15 +80,20 @@ class Executor:
         self.param_shardings = param_shardings(loaded.params, self.mesh, self.rules)
         self.params = selection.backend.prepare(jax.device_put(loaded.params, self.param_shardings))
         self._build()
+        self._executables: dict[tuple, object] = {}  # each variant compiled at start (``compile``)
+        self._plain_steps: dict[int, int] = {}  # KV length -> the most steps of its plain decode variant
         self.state = self.new_state()
 
     @classmethod
     def create(cls, spec: ModelRunner, mesh: Mesh | None = None, batch_size: int | None = None,
-               prefix_blocks: int | str = 0, prefix_block_size: int = 16, prefix_bytes: int = 0) -> "Executor":
+               prefix_blocks: int | str = 0, prefix_block_size: int = 16, prefix_bytes: int = 0,
+               startup: Startup | None = None) -> "Executor":
         """Restore (or place) ``spec``'s parameters, choose the backend and build the compiled
         steps and the decode state, with a prefix pool (``runner.prefix_cache``) of
         ``prefix_blocks`` blocks of ``prefix_block_size`` positions ("auto": as many as the slots
-        hold positions), or of as many as ``prefix_bytes`` hold (0: none)."""
+        hold positions), or of as many as ``prefix_bytes`` hold (0: none). Each phase is marked
+        on ``startup``."""
+        startup = startup or Startup.quiet()
         if spec.backend not in BACKENDS:
             raise ValueError(f"ModelRunner.backend must be one of {BACKENDS}, got {spec.backend!r}")
         if spec.kv_dtype is not None and spec.kv_dtype not in KV_DTYPES:
@@ -94,7 +102,8 @@ class Executor:
             raise ValueError(f"ModelRunner.quantize must be None or 'int8', got {spec.quantize!r}")
         mesh = mesh or spec.mesh or make_mesh((1, 1), jax.devices()[:1])
         start(spec.backend, mesh)  # the kernels' compiler runs while the checkpoint is restored
-        loaded = _load(spec, mesh)
+        with startup.phase("restore"):
+            loaded = _load(spec, mesh)
         batch_size = batch_size or max(1, int(spec.bs_per_device * mesh.size))
         data = mesh.shape["data"]
         if batch_size % data:
@@ -105,12 +114,14 @@ class Executor:
         elif prefix_bytes and not prefix_blocks:
             prefix_blocks = prefix_bytes // (config.kv_bytes_per_token(_cache_dtype(config, spec.kv_dtype))
                                              * prefix_block_size)
-        selection = choose(spec.backend, mesh, config, loaded.params, batch_size, spec.calibration_tokens,
-                           spec.kv_dtype)
+        with startup.phase("backend"):  # the kernels built (or loaded) and calibrated (or read)
+            selection = choose(spec.backend, mesh, config, loaded.params, batch_size, spec.calibration_tokens,
+                               spec.kv_dtype)
         for line in selection.report().splitlines():
             log.info("%s", line)
         log.info("%s", kv_report(config, spec.kv_dtype))
-        return cls(spec, loaded, batch_size, selection, prefix_blocks, prefix_block_size)
+        with startup.phase("layout"):  # the parameters in the backend's layout, placed; the state
+            return cls(spec, loaded, batch_size, selection, prefix_blocks, prefix_block_size)
 
     # ---- what it runs and holds ----------------------------------------------------------------
     def backend_report(self) -> str:
@@ -125,6 +136,17 @@ class Executor:
     def kv_report(self) -> str:
         """One line: what the KV cache (and the prefix pool) holds, and its bytes a token."""
         return kv_report(self.config, self.kv_dtype)
+
+    def store(self, directory: str | None):
+        """The store of this executor's compiled steps under ``directory`` (None: none): keyed
+        by the code, the platform, the model and its placement (``runner.executables``)."""
+        if directory is None:
+            return None
+        return open_store(directory, repr(self.config), tree_signature(self.params), tree_signature(self.state),
+                          stable_repr(self.selection.backend), stable_repr(self.selection.choices),
+                          stable_repr(self.rules), repr((self.batch_size, self.kv_dtype, self.prefix_blocks,
+                                                  self.prefix_block_size)),
+                          devices=list(self.mesh.devices.flat))
 
     def prefix_block_bytes(self) -> int:
         """Bytes of one prefix pool block: K and V of every layer over ``prefix_block_size`` positions."""
@@ -177,7 +199,6 @@ class Executor:
         self.forward = jax.jit(lambda params, tokens, lengths: apply({"params": params}, tokens, None, lengths).logits,
                                in_shardings=(params_sh, None, None))
         self.new_memory = jax.jit(lambda: new_memory(config, b, dtype=self.kv_dtype), out_shardings=state_sh.memory)
-        self._new_pool_jit = jax.jit(self._new_pool, out_shardings=state_sh.pool) if self.prefix_blocks else None
         # One jitted function per static setting, each with explicit shardings (a prefill's is also
         # compiled per shape of its batch); ``compile`` builds every variant before serving.
         self._prefill = _PerStatic(lambda kv_len, score=False: jax.jit(
@@ -188,7 +209,7 @@ class Executor:
         decode_out_sh = DecodeOutput(out_sh, replicated, replicated, ready=replicated)
         self._decode = _PerStatic(lambda kv_len, steps, speculative=0: jax.jit(
             functools.partial(decode, apply, backend, kv_len=kv_len, steps=steps, speculative=speculative),
-            in_shardings=(params_sh, state_sh, mask_sh),
+            in_shardings=(params_sh, state_sh, mask_sh, replicated),
             out_shardings=(state_sh, spec_out_sh if speculative else decode_out_sh), donate_argnums=1))
         self._mask_shardings = mask_sh
         self.no_mask = jax.device_put(self.host_mask(), mask_sh)  # a decode call's mask when no row has one
@@ -203,13 +224,17 @@ class Executor:
     def prefill_memory(self, batch: PrefillBatch, kv_len: int, score: bool = False):
         """One prefill call (``runner.steps.prefill``): the sampled tokens, each row's last logits
         (left on the device for ``fork``) and, with ``score``, its positions' ``PromptScores``."""
-        self.state, out, logits, scores = self._prefill(self.params, self.state, batch, kv_len=kv_len, score=score)
+        step = self._executables.get(("prefill", *batch.tokens.shape, kv_len, score))
+        if step is None:  # not compiled at start (a caller that skipped it): jitted now
+            step = self._prefill.variant(kv_len=kv_len, score=score)
+        self.state, out, logits, scores = step(self.params, self.state, batch)
         return out, logits, scores
 
     def fork(self, logits, row: int, source: int, batch: PrefillBatch) -> DecodeOutput:
         """Slot ``source`` copied into the one-row ``batch``'s slot, its first token sampled from row
         ``row`` of ``logits`` (``runner.steps.fork``)."""
-        self.state, out = self._fork(self.state, logits, np.int32(row), np.int32(source), batch)
+        step = self._executables.get(("fork",), self._fork)
+        self.state, out = step(self.state, logits, np.int32(row), np.int32(source), batch)
         return out
 
     def sample_step(self, kv_len: int, steps: int, mask: TokenMask | None = None, speculative: int = 0) -> DecodeOutput:
@@ -217,12 +242,17 @@ class Executor:
         are on (host arrays, ``host_mask``) one step under it, or with ``speculative`` (no mask)
         steps that verify up to that many draft tokens a slot."""
         mask = self.no_mask if mask is None else jax.device_put(mask, self._mask_shardings)
-        self.state, out = self._decode(self.params, self.state, mask, **_decode_statics(kv_len, steps, speculative))
+        # a plain call runs in the variant of the most steps compiled, its count a dynamic argument
+        most = steps if speculative else max(steps, self._plain_steps.get(kv_len, 0))
+        step = self._executables.get(("decode", kv_len, most, speculative))
+        if step is None:  # not compiled at start (a caller that skipped it): jitted now
+            step = self._decode.variant(**_decode_statics(kv_len, most, speculative))
+        self.state, out = step(self.params, self.state, mask, np.int32(steps))
         return out
 
     def release(self, slot: int) -> None:
         """Stop ``slot`` generating at once (its request was cancelled or failed)."""
-        self.state = self._release(self.state, np.int32(slot))
+        self.state = self._executables.get(("release",), self._release)(self.state, np.int32(slot))
 
     def reset(self) -> None:
         """A fresh state, every slot free (after a device call failed and took the state with it)."""
@@ -242,12 +272,13 @@ class Executor:
                            vocab_size=self.config.vocab_size)
 
     def new_state(self) -> DecodeState:
-        """A fresh decode state: zeroed memory, every slot free."""
+        """A fresh decode state: zeroed memory, every slot free (placed, nothing compiled)."""
         b, c, sh = self.batch_size, self.config, self._state_shardings
         put = jax.device_put
         zeros = lambda shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
+        memory = jax.eval_shape(lambda: new_memory(c, b, dtype=self.kv_dtype))
         return DecodeState(
-            memory=self.new_memory(), tokens=put(zeros((b,)), sh.tokens),
+            memory=_zeros(memory, sh.memory), tokens=put(zeros((b,)), sh.tokens),
             settings=put(SampleSettings.host(b), sh.settings), keys=put(zeros((b, 2), np.uint32), sh.keys),
             active=put(zeros((b,), bool), sh.active), remaining=put(zeros((b,)), sh.remaining),
             stop_ids=put(np.full((b, MAX_STOP_IDS), -1, np.int32), sh.stop_ids),
@@ -256,41 +287,92 @@ class Executor:
             history=put(np.full((b, c.sequence_len), -1, np.int32), sh.history),
             speculative=put(zeros((b,)), sh.speculative), draft_len=put(zeros((b,)), sh.draft_len),
             wait=put(zeros((b,)), sh.wait), misses=put(zeros((b,)), sh.misses),
-            pool=self._new_pool_jit() if self._new_pool_jit is not None else None)
+            pool=_zeros(jax.eval_shape(self._new_pool), sh.pool) if self.prefix_blocks else None)
 
     # ---- warm-up -------------------------------------------------------------------------------
-    def compile(self, prefills: list[tuple[int, int, int, bool]], decodes: list[tuple[int, int, int]]) -> int:
-        """At start (every slot free): compile every variant a serving engine can call, and run
-        each once, so serving never
-        compiles: a prefill call per (rows, bucket, KV length, score) of ``prefills``, a decode
-        call per (KV length, steps, speculative) of ``decodes``, a fork and a release. The variants
-        are traced here, then compiled (side by side on the host's cores where no persistent
-        compilation cache is written: XLA compiles without the GIL). Nothing in the state changes
-        (padding rows and free slots only). Returns how many variants there are."""
-        batches = [(self.empty_batch(p, t), kv, score) for p, t, kv, score in prefills]
-        lowered = [self._prefill.variant(kv_len=kv, score=score).lower(self.params, self.state, batch)
-                   for batch, kv, score in batches]
-        statics = [_decode_statics(*d) for d in decodes]
-        lowered += [self._decode.variant(**s).lower(self.params, self.state, self.no_mask) for s in statics]
-        # a fork (slot 0 copied onto itself, nothing started), its logits placed like a prefill's
-        # output (a host array would be another variant); a release of a free slot
-        one = self.empty_batch(1, 1)
-        one.slots[0] = 0
-        logits = jax.device_put(np.zeros((self.batch_size, self.config.vocab_size), np.float32), self._named(P()))
-        lowered.append(self._fork.lower(self.state, logits, np.int32(0), np.int32(0), one))
-        lowered.append(self._release.lower(self.state, np.int32(0)))
-        # Side by side only without a persistent compilation cache: with one, a thread serialising
-        # an executable for it while another compiles crashed XLA:CPU (jaxlib 0.10.2; two fresh-clone
-        # test runs, SIGABRT and SIGSEGV in put_executable_and_time), so each is compiled in turn.
-        workers = 1 if jax.config.jax_compilation_cache_dir else min(len(lowered), os.cpu_count() or 1)
+    def variants(self, prefills: list[tuple[int, int, int, bool]], decodes: list[tuple[int, int, int]]):
+        """``(key, name, lower)`` of each variant: a prefill per (rows, bucket, KV length, score) of
+        ``prefills``, a decode per (KV length, steps, speculative) of ``decodes``, a fork and a
+        release; ``lower()`` traces and lowers it (``jax.stages.Lowered``)."""
+        out = []
+        for p, t, kv, score in prefills:
+            def lower(p=p, t=t, kv=kv, score=score):
+                return self._prefill.variant(kv_len=kv, score=score).lower(self.params, self.state,
+                                                                           self.empty_batch(p, t))
+            out.append((("prefill", p, t, kv, score), f"prefill rows={p} bucket={t} kv={kv} score={score}", lower))
+        for kv, n, k in decodes:
+            def lower(kv=kv, n=n, k=k):
+                return self._decode.variant(**_decode_statics(kv, n, k)).lower(self.params, self.state, self.no_mask,
+                                                                               np.int32(n))
+            out.append((("decode", kv, n, k), f"decode kv={kv} steps={n} speculative={k}", lower))
+
+        def lower_fork():  # slot 0 onto itself; its logits placed like a prefill's output
+            logits = jax.ShapeDtypeStruct((self.batch_size, self.config.vocab_size), np.float32,
+                                          sharding=self._named(P()))
+            return self._fork.lower(self.state, logits, np.int32(0), np.int32(0), self.empty_batch(1, 1))
+
+        out.append((("fork",), "fork", lower_fork))
+        out.append((("release",), "release", lambda: self._release.lower(self.state, np.int32(0))))
+        return out
+
+    def compile(self, prefills: list[tuple[int, int, int, bool]], decodes: list[tuple[int, int, int]],
+                store=None, startup=None) -> dict:
+        """At start: make every variant a serving engine can call ready (``variants``), so serving
+        never compiles or traces: each is loaded from ``store`` (``runner.executables``) where
+        it holds it, else traced, lowered and compiled (side by side on the host's cores: XLA
+        compiles without the GIL) and stored. Progress goes to ``startup``
+        (``runner.startup.Startup``). Returns how many were loaded and compiled."""
+        for kv, n, k in decodes:
+            if not k:
+                self._plain_steps[kv] = max(n, self._plain_steps.get(kv, 0))
+        variants = self.variants(prefills, decodes)
+        if startup is not None:
+            startup.count(len(variants), "compiled steps")
+        step = startup.step if startup is not None else (lambda n=1: None)
+        loaded, missing = 0, []
+        workers = max(1, os.cpu_count() or 1)
+
+        def load(item):
+            executable = store.load(item[1]) if store is not None else None
+            if executable is not None:
+                step()
+            return executable
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:  # XLA loads without the GIL
+            for (key, name, lower), executable in zip(variants, pool.map(load, variants)):
+                if executable is None:
+                    missing.append((key, name, lower))
+                else:
+                    self._executables[key] = executable
+                    loaded += 1
+        # Traced in turn (tracing holds the GIL), compiled side by side. With JAX's persistent
+        # cache on, XLA:CPU crashed serialising one executable while compiling another (jaxlib
+        # 0.10.2: SIGABRT and SIGSEGV in put_executable_and_time), so then in turn.
+        workers = 1 if jax.config.jax_compilation_cache_dir else max(1, min(len(missing), os.cpu_count() or 1))
+
+        def build(item):
+            key, name, lowered = item
+            compiled = lowered.compile()
+            step()
+            return key, name, compiled
+
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(lambda low: low.compile(), lowered))
-        outs = [self.prefill_memory(batch, kv, score) for batch, kv, score in batches]
-        outs.append(self.fork(logits, 0, 0, one))
-        outs += [self.sample_step(**s) for s in statics]
-        self.release(0)  # at start every slot is free: releasing one changes nothing
-        jax.block_until_ready((self.state, outs))
-        return len(lowered)
+            futures = [pool.submit(build, (key, name, lower())) for key, name, lower in missing]
+            for future in futures:
+                key, name, compiled = future.result()
+                self._executables[key] = compiled
+                if store is not None:
+                    store.save(name, compiled)
+        return {"loaded": loaded, "compiled": len(missing)}
+
+
+def _zeros(abstract, shardings):
+    """Zeroed arrays of ``abstract``'s shapes and dtypes, placed by ``shardings`` (a tree of the
+    same structure), on any mesh of any hosts and without compiling anything."""
+    def one(leaf, sharding):
+        zero = np.zeros((), leaf.dtype)
+        return jax.make_array_from_callback(leaf.shape, sharding, lambda index: np.broadcast_to(zero, leaf.shape)[index])
+    return jax.tree_util.tree_map(one, abstract, shardings)
 
 
 def _decode_statics(kv_len: int, steps: int, speculative: int = 0) -> dict:

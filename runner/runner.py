@@ -33,6 +33,7 @@ from runner.outputs import OutputProcessor
 from runner.prefix_cache import PrefixCache
 from runner.requests import MAX_SPECULATIVE, Request, TokenEvent
 from runner.scheduler import Scheduler, chunk_lengths
+from runner.startup import Startup
 from runner.state import MAX_STOP_IDS
 from runner.tokenizer import Tokenizer
 
@@ -116,17 +117,22 @@ class InferenceRunner:
     # fewer, or 0). Its decode variants are compiled at start only if > 0. Off (0) by default:
     # BENCHMARKS.md measures where it helps.
     speculative: int = 0
+    # A directory of compiled steps (``runner.executables``): a start loads each variant it
+    # holds instead of tracing and compiling it, and stores the ones it compiles. None: off.
+    compile_cache: Optional[str] = None
 
-    def initialize(self, warmup: bool = True) -> "InferenceRunner":
+    def initialize(self, warmup: bool = True, startup: Optional[Startup] = None) -> "InferenceRunner":
         """Make it ready to serve (the reference's call): restore the model onto the mesh, build the
         engine (``Engine``: scheduler, executor, output processor) and, with ``warmup``, compile
-        every variant the scheduler can ask for. The fields never change; the engine is attached
-        once (``engine``). Returns the runner."""
+        every variant the scheduler can ask for (or load it from ``compile_cache``). The fields
+        never change; the engine is attached once (``engine``). ``startup`` is told each phase
+        and counts the compiled steps (``runner.startup``). Returns the runner."""
         if getattr(self, "_engine", None) is not None:
             raise RuntimeError("InferenceRunner.initialize() was already called")
-        object.__setattr__(self, "_engine", _build_engine(self))
+        startup = startup or Startup.quiet()
+        object.__setattr__(self, "_engine", _build_engine(self, startup))
         if warmup:
-            self.compile()
+            self.compile(startup)
         return self
 
     @property
@@ -150,10 +156,15 @@ class InferenceRunner:
     def tokenizer(self) -> Optional[Tokenizer]:
         return self.engine.outputs.tokenizer
 
-    def compile(self) -> int:
-        """Compile every variant a request can reach now (``Engine.compile``), so serving never
-        compiles. Returns how many there are."""
-        return self.engine.compile(score_prompts=self.score_prompts)
+    def compile(self, startup: Optional[Startup] = None) -> int:
+        """Compile (or load from ``compile_cache``) every variant a request can reach now
+        (``Engine.compile``), so serving never compiles. Returns how many there are."""
+        startup = startup or Startup.quiet()
+        with startup.phase("compile"):
+            done = self.engine.compile(self.score_prompts, self.compile_cache, startup)
+        startup.note("compile", f"{done['loaded'] + done['compiled']} steps: {done['loaded']} loaded, "
+                                f"{done['compiled']} compiled")
+        return done["loaded"] + done["compiled"]
 
     def _check_pad_sizes(self, sequence_len: int) -> tuple[int, ...]:
         s = sequence_len
@@ -339,7 +350,7 @@ class InferenceRunner:
         return chunk_lengths(len(ids), self.engine.scheduler.chunk_sizes)
 
 
-def _build_engine(spec: InferenceRunner) -> Engine:
+def _build_engine(spec: InferenceRunner, startup: Startup) -> Engine:
     """``spec`` served: its fields checked, its model restored onto the mesh (``Executor``), its
     tokenizer, its scheduler (with the prefix cache's index) and the engine over them."""
     spec._check_fields()
@@ -349,7 +360,7 @@ def _build_engine(spec: InferenceRunner) -> Engine:
         mesh = make_mesh(shape, jax.devices()[: shape[0] * shape[1]])
     size = spec.prefix_block_size
     executor = Executor.create(spec.runner, mesh, spec.batch_size, spec.prefix_cache_blocks, size,
-                               spec.prefix_cache_bytes)
+                               spec.prefix_cache_bytes, startup=startup)
     config = executor.config
     pad_sizes = spec._check_pad_sizes(config.sequence_len)
     kv_buckets = default_kv_buckets(config.sequence_len)

@@ -85,15 +85,18 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
                          choices)
     choices = {op: calibration.Choice(op, False, reason="it needs " + "; ".join(why)) for op, why in needs.items() if why}
     to_measure = [op for op in OPERATIONS if op not in choices]
+    counts = {"shapes": 0, "measured": 0}
     if to_measure:
         tokens = calibration_tokens or min(256, c.sequence_len)
         choices.update(calibration.calibrate(to_measure, c, batch, tokens, tokens, kv_dtype=kv_dtype,
-                                             int8_weights=frozenset(int8_weights), dtype=dtype))
+                                             int8_weights=frozenset(int8_weights), dtype=dtype, counts=counts))
     choices = {op: choices[op] for op in OPERATIONS}
     on = frozenset(op for op, choice in choices.items() if choice.kernel)
     int8 = frozenset(op for op, choice in choices.items() if choice.int8)
-    return Selection(CPU(on=on, int8=int8, dtype=dtype), "auto: one CPU device; each kernel where measured faster here",
-                     choices)
+    calibrated = ("every shape read from the cache" if not counts["measured"] else
+                  f"{counts['measured']} of {counts['shapes']} shapes measured now, cached for the next start")
+    return Selection(CPU(on=on, int8=int8, dtype=dtype), "auto: one CPU device; each kernel where measured faster "
+                     f"here; calibration: {calibrated}", choices)
 
 
 def _blockers(config, params, kv_dtype) -> tuple[dict, set]:

@@ -357,14 +357,15 @@ def _write_cache(path: Path | None, entries: dict) -> None:
 
 def calibrate(operations, config: ModelConfig, batch: int, prefill_tokens: int, kv_len: int,
               cache: bool = True, kv_dtype: str = "float32", int8_weights=frozenset(),
-              dtype: str = "float32") -> dict[str, Choice]:
+              dtype: str = "float32", counts: dict | None = None) -> dict[str, Choice]:
     """A ``Choice`` per operation (names from ``OPERATIONS``), each measured at its shapes for
     ``config`` with ``batch`` slots, prefill chunks of ``prefill_tokens`` and decode attention over
     ``kv_len`` cache positions of ``kv_dtype`` ("float32", "bfloat16" or "int8"), with activations
     and float weights of ``dtype`` ("float32" or "bfloat16"); the operations in ``int8_weights``
     ("moe", "projections") have int8 weights: timed also on the int8 kernel against the float
     kernel on their dequantised copy, and decided by ``decide_int8``. Measured shapes come
-    from (and go to) the cache beside the kernel library unless ``cache`` is False. The kernels must
+    from (and go to) the cache beside the kernel library unless ``cache`` is False; ``counts``,
+    if given, is told how many shapes there were and how many were measured now. The kernels must
     be available."""
     path = _cache_path() if cache else None
     entries = _read_cache(path)
@@ -378,6 +379,8 @@ def calibrate(operations, config: ModelConfig, batch: int, prefill_tokens: int, 
                 keyed.setdefault((op, int8), []).append(key)
                 if not (isinstance(entries.get(key), dict) and {"kernel_s", "xla_s"} <= entries[key].keys()):
                     todo.append((key, op, phase, rows, builder))
+    if counts is not None:
+        counts.update(shapes=sum(len(keys) for keys in keyed.values()), measured=len(todo))
     if todo:
         start = time.perf_counter()
         for (key, *_), m in zip(todo, _measure([t[1:] for t in todo])):
