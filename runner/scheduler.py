@@ -45,6 +45,12 @@ def smallest_at_least(sizes: tuple[int, ...], n: int) -> int:
     return next((size for size in sizes if size >= n), sizes[-1])
 
 
+def every_other_from_top(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The largest of the sorted ``sizes``, the third largest, ...: (64, 256, 1024, 2048) ->
+    (256, 2048)."""
+    return tuple(sorted(sizes[::-1][::2]))
+
+
 def chunk_lengths(total: int, sizes: tuple[int, ...]) -> list[int]:
     """A prompt of ``total`` tokens cut into chunks for buckets ``sizes`` (sorted), so that padding
     wastes little: the rest goes into the smallest bucket that holds it when that pads it by at
@@ -189,6 +195,14 @@ class Scheduler:
         self.pool_blocks = prefix.num_blocks if prefix is not None else 0
         self.kv_buckets, self.budget, self.decode_steps = kv_buckets, budget, decode_steps
         self.chunk_sizes = tuple(s for s in pad_sizes if s <= budget) or pad_sizes[:1]
+        # Fewer compiled variants where padding costs little (every variant is compiled, or
+        # loaded, at start: BENCHMARKS.md, "Start-up"). A prefill attends over every other KV
+        # bucket from the top: on the bench config attending 2,048 positions instead of 64 to
+        # 1,024 cost a 16-token call 42 -> 54 ms and a full 512-token one 3%, while a decode step,
+        # which reads the KV at every token, keeps every bucket. A scored chunk (one row, every
+        # position unembedded) is padded to every other bucket from the largest, over the top KV.
+        self.prefill_kv_buckets = every_other_from_top(kv_buckets)
+        self.score_sizes = every_other_from_top(self.chunk_sizes)
         self.row_buckets = row_buckets(batch_size)
         self.waiting: collections.deque[RequestState] = collections.deque()
         self.slots: list[Optional[RequestState]] = [None] * batch_size
@@ -262,8 +276,9 @@ class Scheduler:
         plan = RoundPlan(rows, score=bool(rows) and rows[0].sequence.scored)
         if rows:
             plan.rows = smallest_at_least(self.row_buckets, len(rows))
-            plan.bucket = bucket
-            plan.prefill_kv_len = smallest_at_least(self.kv_buckets, max(r.start + r.length for r in rows))
+            plan.bucket = smallest_at_least(self.score_sizes, bucket) if plan.score else bucket
+            plan.prefill_kv_len = (self.kv_buckets[-1] if plan.score else smallest_at_least(
+                self.prefill_kv_buckets, max(r.start + r.length for r in rows)))
             for i, row in enumerate(rows):
                 row.sequence.chunks_done += 1
                 row.sequence.prefilled += row.length
@@ -420,12 +435,12 @@ class Scheduler:
         size fits the budget (or it is one row), and its KV length covers a chunk of its bucket.
         With ``score``, those of a scoring call (always one row)."""
         if score:
-            return {shape for shape in self.prefill_shapes() if shape[0] == 1}
+            return {(1, t, self.kv_buckets[-1]) for t in self.score_sizes}
         shapes = set()
         for i, t in enumerate(self.chunk_sizes):
             shortest = self.chunk_sizes[i - 1] + 1 if i else 1  # the longest chunk of a call of bucket t
-            for kv in self.kv_buckets:
-                if kv < smallest_at_least(self.kv_buckets, shortest):
+            for kv in self.prefill_kv_buckets:
+                if kv < smallest_at_least(self.prefill_kv_buckets, shortest):
                     continue
                 for p in self.row_buckets:
                     if p == 1 or p * t <= self.budget:

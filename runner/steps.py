@@ -152,13 +152,16 @@ def fork(sampler, state: DecodeState, logits_BV, row, source, batch: PrefillBatc
     return _start(state, batch, first, keys)
 
 
-def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, kv_len: int, steps: int,
+def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, n, kv_len: int, steps: int,
            speculative: int = 0):
-    """``steps`` decode steps of every slot (a scan on device), attending to the first ``kv_len``
+    """``n`` decode steps of every slot (a loop on device), attending to the first ``kv_len``
     cache positions; each slot stops where ``ends`` says. A row whose ``mask`` is on takes the
-    first step only, under its mask; one it holds takes none. With ``speculative`` (static, > 0;
-    no mask), each step is ``speculate``'s: up to that many draft tokens a slot verified in one
-    forward. Pure, like ``prefill``."""
+    first step only, under its mask; one it holds takes none. ``n`` is dynamic, at most the static
+    ``steps``: the outputs have ``steps`` rows, those past ``n`` not valid, so one compiled call
+    serves every count of steps (a decode variant a KV bucket, not one a count too: fewer
+    executables to build or load at start). With ``speculative`` (static, > 0; no mask), each of
+    ``steps`` steps (``n`` is ignored) is ``speculate``'s: up to that many draft tokens a slot
+    verified in one forward. Pure, like ``prefill``."""
     if speculative:
         def one_speculative(state, _):
             return speculate(apply, sampler, params, state, mask, kv_len, speculative)
@@ -189,7 +192,14 @@ def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, kv_len: 
         draft_len, wait = count_down(state, valid)
         return state.replace(draft_len=draft_len, wait=wait), (sample, valid, ended)
 
-    state, (samples, valid, ended) = jax.lax.scan(one, state, jnp.arange(steps))
+    def body(i, carry):
+        state, outs = carry
+        state, out = one(state, i)
+        return state, jax.tree_util.tree_map(lambda buf, o: buf.at[i].set(o), outs, out)
+
+    shapes = jax.eval_shape(lambda s: one(s, jnp.int32(0))[1], state)
+    outs = jax.tree_util.tree_map(lambda a: jnp.zeros((steps, *a.shape), a.dtype), shapes)
+    state, (samples, valid, ended) = jax.lax.fori_loop(0, jnp.minimum(n, steps), body, (state, outs))
     return state, DecodeOutput(samples, valid, ended, ready=ready_to_draft(state))
 
 

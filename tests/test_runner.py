@@ -307,9 +307,13 @@ def test_the_four_functions_are_usable_on_their_own(runner, params):
     state, first, _, _ = engine._prefill(engine.params, state, batch, kv_len=64, score=False)
     assert int(first.sample.token_id[0, 0]) == int(np.asarray(logits)[0, -1].argmax())
     assert np.asarray(first.valid).tolist() == [[True, False]]
-    state, out = engine._decode(engine.params, state, engine.no_mask, kv_len=64, steps=4)
+    # a decode variant of 4 steps, asked for 1 (the count is an argument): its other rows are not valid
+    state, out = engine._decode(engine.params, state, engine.no_mask, np.int32(1), kv_len=64, steps=4)
+    np.testing.assert_array_equal(np.asarray(out.valid)[:, 2], [True, False, False, False])
+    assert int(state.memory.step[2]) == 9
+    state, out = engine._decode(engine.params, state, engine.no_mask, np.int32(4), kv_len=64, steps=4)
     # max_len 3: the first token came from prefill, two more from decode, then the slot stops itself
-    np.testing.assert_array_equal(np.asarray(out.valid)[:, 2], [True, True, False, False])
+    np.testing.assert_array_equal(np.asarray(out.valid)[:, 2], [True, False, False, False])
     assert not np.asarray(out.valid)[:, [0, 1, 3]].any()
     assert int(state.memory.step[2]) == 10 and int(state.memory.step[0]) == 0
 

@@ -94,7 +94,8 @@ def test_the_kv_bucket_covers_every_row_in_flight():
     s = scheduler()
     (a,) = submit(s, 60)
     plan = s.schedule()
-    assert plan.prefill_kv_len == 64 and plan.decode_kv_len == 64 and plan.decode_steps == 1  # beside its prefill
+    # a prefill attends over every other KV bucket from the top (256, 2048), a decode step over any
+    assert plan.prefill_kv_len == 256 and plan.decode_kv_len == 64 and plan.decode_steps == 1  # beside its prefill
     plan = s.schedule()
     assert plan.decode_steps == 4 and plan.decode_kv_len == 256  # 61 + 4 positions
     assert a.dispatched == 65 and a.computed == 60

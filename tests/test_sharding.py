@@ -235,7 +235,7 @@ def test_kv_memory_is_never_resharded_inside_a_step(shard_params):
     engine = ModelRunner(model=SHARD, params=shard_params)
     engine = Executor.create(engine, make_mesh((2, 4)), batch_size=8)
     step = engine._decode.variant(kv_len=SHARD.sequence_len, steps=2)
-    hlo = step.lower(engine.params, engine.new_state(), engine.no_mask).compile().as_text()
+    hlo = step.lower(engine.params, engine.new_state(), engine.no_mask, np.int32(2)).compile().as_text()
     collectives = [line for line in hlo.splitlines()
                    if re.search(r"\b(all-to-all|all-gather|collective-permute|all-reduce|reduce-scatter)(-start)?\(", line)]
     assert collectives  # the weights' d_model over "data" does need all-gathers
