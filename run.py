@@ -11,12 +11,17 @@ Ends with a summary line on stderr: time to first token, output tokens/s, compil
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
 
+STARTED = time.perf_counter()  # the start's phases count from here (imports included)
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
 DEFAULT_PROMPT = "It is a truth universally acknowledged, that"
+COMPILE_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner",
+                             "compiled")
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
 
 
@@ -88,10 +93,9 @@ def parse_args(argv):
                    "device with every C++ kernel; auto (default) is cpu on one CPU device with each kernel "
                    "taken only where measured faster than XLA's op on this CPU (once per machine, cached), "
                    "xla elsewhere")
-    p.add_argument("--compile-cache", default=os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
-        help="directory of JAX's persistent compilation cache, so a second start skips XLA "
-             "compilation (default: %(default)s); 'off' disables it")
+    p.add_argument("--compile-cache", default=COMPILE_CACHE,
+        help="directory of compiled steps (runner/executables.py), so a second start of the same model "
+             "and settings loads them instead of compiling (default: %(default)s); 'off' disables it")
     p.add_argument("--plan", action="store_true", help="print the per-device memory plan and exit "
                    "(with --preset or --checkpoint, --mesh, --batch-size, --device-memory)")
     p.add_argument("--preset", help="plan for a preset config (grok-1, ...) in the Grok-1 release's "
@@ -169,7 +173,7 @@ def int_list(parser, flag, text):
 
 
 def start_jax(parser, args) -> None:
-    """Join the other processes (several hosts) and keep the persistent compilation cache."""
+    """Join the other processes (several hosts); on several, JAX's persistent compilation cache."""
     import jax
 
     if args.coordinator == "auto":
@@ -178,8 +182,10 @@ def start_jax(parser, args) -> None:
         if not (args.coordinator and args.num_processes and args.process_id is not None):
             parser.error("multi-host needs --coordinator, --num-processes and --process-id (or their env vars)")
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    if args.compile_cache != "off":
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+    if args.compile_cache != "off" and jax.process_count() > 1:
+        # several hosts compile (the store of compiled steps is one process's): JAX's persistent
+        # cache then skips XLA's part of it on a second start
+        jax.config.update("jax_compilation_cache_dir", os.path.join(args.compile_cache, "xla"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
@@ -253,9 +259,8 @@ def serve(argv) -> int:
                    help="the most draft tokens a speculative step verifies, and the default of every request "
                    "(the request's \"speculative\" field may ask for fewer, or 0); 0 = off (default); see run.py --help")
     p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto", help="see run.py --help")
-    p.add_argument("--compile-cache", default=os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "xla"),
-        help="JAX's persistent compilation cache ('off' disables it)")
+    p.add_argument("--compile-cache", default=COMPILE_CACHE,
+                   help="directory of compiled steps ('off' disables it); see run.py --help")
     p.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
                    help="several hosts: coordinator HOST:PORT (process 0 serves HTTP, the others follow it)")
     p.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
@@ -285,49 +290,89 @@ def serve(argv) -> int:
     from checkpoints import CheckpointError
     from checkpoints.materialize import resolve_config
     from runner import InferenceRunner, ModelRunner
+    from runner.compile_count import compilations
     from runner.runner import default_checkpoint
+    from runner.startup import stderr_startup
     from server import Limits, Server, serve_forever
+    from server.starting import Starting
 
     checkpoint = args.checkpoint or default_checkpoint()
     if checkpoint is None or not os.path.isdir(checkpoint):
         p.error(f"--checkpoint {checkpoint!r} is not a directory")
-    try:
-        config = None if args.config is None else resolve_config(args.config)  # a preset name or a JSON file
-        runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, model=config,
-                                                    backend=args.backend, kv_dtype=args.kv_dtype,
-                                                    quantize=args.quantize, dtype=args.dtype),
-                                 tokenizer_path=args.tokenizer, batch_size=args.batch_size,
-                                 local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
-                                 score_prompts=args.max_scored_tokens != 0, decode_steps=args.decode_steps,
-                                 speculative=args.speculative,
-                                 **({} if args.max_num_batched_tokens is None
-                                    else {"max_num_batched_tokens": args.max_num_batched_tokens}),
-                                 **prefix_cache_of(args))
-        runner = runner.initialize()
-        if jax.process_index() != 0:  # several hosts: follow process 0's rounds until it stops
-            runner.engine.broadcast = True
-            print(f"process {jax.process_index()}: following process 0", file=sys.stderr)
-            runner.engine.follow()
-            jax.distributed.shutdown()
-            return 0
-        server = Server(runner, args.model_name or os.path.basename(os.path.normpath(checkpoint)),
-                        api_key=args.api_key, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                        max_scored_tokens=args.max_scored_tokens,
-                        private_docs_and_metrics=args.private_docs_and_metrics)
-        limits = Limits(read_timeout=args.read_timeout, keep_alive_timeout=args.keep_alive_timeout,
-                        shutdown_timeout=args.shutdown_timeout)
-    except (ValueError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for line in runner.backend_report().splitlines():
-        print(line if line.startswith("backend:") else f"  kernel {line}", file=sys.stderr)
-    print(runner.kv_report(), file=sys.stderr)
-    print(f"serving {server.model_name} on http://{args.host}:{args.port}/v1 (a chat page at "
-          f"http://{args.host}:{args.port}/)", file=sys.stderr)
-    rc = serve_forever(server, args.host, args.port, limits)  # until Ctrl-C or SIGTERM, then a drain
+    compilations()  # counted from here: a start that loads every step compiles nothing
+    startup = stderr_startup(STARTED)
+    startup.mark("imports", STARTED)
+    limits = Limits(read_timeout=args.read_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                    shutdown_timeout=args.shutdown_timeout)
+
+    def build() -> Server:
+        """The model ready, and the server over it (``SystemExit(2)`` saying why if it cannot be)."""
+        try:
+            config = None if args.config is None else resolve_config(args.config)  # a preset name or a JSON file
+            runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, model=config,
+                                                        backend=args.backend, kv_dtype=args.kv_dtype,
+                                                        quantize=args.quantize, dtype=args.dtype),
+                                     tokenizer_path=args.tokenizer, batch_size=args.batch_size,
+                                     local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
+                                     score_prompts=args.max_scored_tokens != 0, decode_steps=args.decode_steps,
+                                     speculative=args.speculative, compile_cache=compile_cache_of(args),
+                                     **({} if args.max_num_batched_tokens is None
+                                        else {"max_num_batched_tokens": args.max_num_batched_tokens}),
+                                     **prefix_cache_of(args))
+            runner = runner.initialize(startup=startup)
+            if jax.process_index() != 0:
+                return runner
+            with startup.phase("server"):
+                server = Server(runner, args.model_name or os.path.basename(os.path.normpath(checkpoint)),
+                                api_key=args.api_key, max_waiting=args.max_waiting,
+                                max_body_bytes=args.max_body_bytes, max_scored_tokens=args.max_scored_tokens,
+                                private_docs_and_metrics=args.private_docs_and_metrics)
+        except (ValueError, CheckpointError) as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        report(runner)
+        return server
+
+    if jax.process_index() != 0:  # several hosts: follow process 0's rounds until it stops
+        try:
+            runner = build()
+        except SystemExit as e:
+            return e.code
+        runner.engine.broadcast = True
+        print(f"process {jax.process_index()}: following process 0", file=sys.stderr)
+        runner.engine.follow()
+        jax.distributed.shutdown()
+        return 0
+
+    starting = Starting(startup)
+
+    def build_and_attach() -> None:
+        server = build()
+        with startup.phase("server"):
+            starting.attach(server)
+        print(f"serving {server.model_name} on http://{args.host}:{args.port}/v1 (a chat page at "
+              f"http://{args.host}:{args.port}/)", file=sys.stderr)
+        print(f"{startup.summary()}; {compilations()} XLA compilations", file=sys.stderr, flush=True)
+
+    # The port opens now: /health says which phase the start is in until the model is ready
+    print(f"starting on http://{args.host}:{args.port} (/health answers 503 until the model is ready)",
+          file=sys.stderr, flush=True)
+    rc = serve_forever(starting, args.host, args.port, limits, build=build_and_attach)  # until Ctrl-C or SIGTERM
     if jax.process_count() > 1 and rc == 0:
         jax.distributed.shutdown()
     return rc
+
+
+def report(runner) -> None:
+    """The backend, each CPU kernel's choice and the KV cache, on stderr."""
+    for line in runner.backend_report().splitlines():
+        print(line if line.startswith("backend:") else f"  kernel {line}", file=sys.stderr)
+    print(runner.kv_report(), file=sys.stderr)
+
+
+def compile_cache_of(args):
+    """The directory of compiled steps for ``--compile-cache`` (None: off)."""
+    return None if args.compile_cache == "off" else args.compile_cache
 
 
 def main(argv=None) -> int:
@@ -375,10 +420,13 @@ def generate(parser, args, start: float) -> int:
     start_jax(parser, args)
     from checkpoints import CheckpointError
     from runner import InferenceRunner, ModelRunner
-    from runner.compile_count import cache_hits, compilations
+    from runner.compile_count import compilations
     from runner.runner import default_checkpoint
+    from runner.startup import stderr_startup
 
     compilations()
+    startup = stderr_startup(STARTED)
+    startup.mark("imports", STARTED)
     if checkpoint is None:
         checkpoint = default_checkpoint()
         if checkpoint is None:
@@ -390,16 +438,15 @@ def generate(parser, args, start: float) -> int:
             runner=ModelRunner(checkpoint_path=checkpoint, model=config, dtype=args.dtype, backend=args.backend,
                                kv_dtype=args.kv_dtype, quantize=args.quantize),
             tokenizer_path=args.tokenizer, local_mesh_config=tuple(mesh), pad_sizes=pad_sizes,
-            batch_size=args.batch_size, speculative=args.speculative)
-        runner = runner.initialize()
+            batch_size=args.batch_size, speculative=args.speculative, compile_cache=compile_cache_of(args))
+        runner = runner.initialize(startup=startup)
         for r in requests:
             runner.prepare(r)
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for line in runner.backend_report().splitlines():
-        print(line if line.startswith("backend:") else f"  kernel {line}", file=sys.stderr)
-    print(runner.kv_report(), file=sys.stderr)
+    report(runner)
+    print(f"{startup.summary()}; {compilations()} XLA compilations", file=sys.stderr, flush=True)
 
     single = len(requests) == 1
     texts = {r.request_id: [] for r in requests}
@@ -432,8 +479,7 @@ def generate(parser, args, start: float) -> int:
     rate = max(generated - len(requests), 0) / max(end - (first_token or end), 1e-9)
     print(("\ninterrupted: " if interrupted else "") + f"time to first token {ttft:.2f} s (command start, "
           f"compile included), {rate:.1f} tokens/s after it ({generated} tokens, {len(requests)} prompts, batch "
-          f"{runner.num_slots}), {compilations()} compilations ({cache_hits()} from the compilation cache)",
-          file=sys.stderr)
+          f"{runner.num_slots}), {compilations()} compilations", file=sys.stderr)
     return 130 if interrupted else 0
 
 

@@ -28,7 +28,7 @@ import resource
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import h11
 import uvicorn
@@ -192,16 +192,33 @@ class ShutdownHandle:
             log.warning("shutdown: closed %d connection(s) still uploading a request", closed)
 
 
-def serve_forever(server: "Server", host: str, port: int, limits: Limits = Limits()) -> int:
+def serve_forever(server: "Server", host: str, port: int, limits: Limits = Limits(),
+                  build: Optional[Callable[[], None]] = None) -> int:
     """Serve ``server`` on ``host:port`` until SIGINT or SIGTERM, then shut down as the module
     docstring says and return: 0 after a drain (requests ended by its timeout included, and
-    logged), 1 if a second signal forced the exit or the server could not start or stop."""
+    logged), 1 if a second signal forced the exit or the server could not start or stop.
+    With ``build``, ``server`` is a ``server.starting.Starting``: the port opens at once and
+    ``build()`` runs in a thread beside it (it makes the model ready and attaches the server);
+    if it raises, the port closes and the process returns 2 (or the code of a ``SystemExit``,
+    with which ``build`` says it has told the user why; anything else is logged)."""
     raise_file_limit()
     userver = uvicorn.Server(uvicorn_config(server.app, limits, host=host, port=port))
     # uvicorn off the main thread: the signals stay ours (uvicorn installs none off it)
     thread = threading.Thread(target=userver.run, name="uvicorn", daemon=True)
     signals: list[int] = []
     arrived = threading.Event()
+    failed: list[BaseException] = []
+
+    def run_build():
+        while not userver.started and thread.is_alive():
+            time.sleep(0.01)
+        if not thread.is_alive():
+            return
+        try:
+            build()
+        except BaseException as e:  # noqa: B036 - reported, and the server stopped, by the main thread
+            failed.append(e)
+            arrived.set()
 
     def on_signal(signum, frame):
         signals.append(signum)
@@ -210,9 +227,18 @@ def serve_forever(server: "Server", host: str, port: int, limits: Limits = Limit
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     handle = ShutdownHandle(server, userver)
     thread.start()
+    if build is not None:  # the model made ready beside the open port (a daemon: a signal need not wait for it)
+        threading.Thread(target=run_build, name="start", daemon=True).start()
     try:
         while thread.is_alive() and not arrived.wait(0.2):
             pass
+        if failed:  # the model could not be made ready: the port closed, 2 (``build`` said why with SystemExit)
+            error = failed[0]
+            if not isinstance(error, SystemExit):
+                log.error("the start failed", exc_info=error)
+            userver.should_exit = True
+            thread.join(10)
+            return error.code if isinstance(error, SystemExit) and isinstance(error.code, int) else 2
         if not signals:  # uvicorn ended by itself: it could not bind, or failed
             return 0 if userver.started else 1
         log.info("shutting down: letting requests in flight finish for up to %g s", limits.shutdown_timeout)

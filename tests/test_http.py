@@ -47,16 +47,22 @@ class ServeProcess:
              "--max-scored-tokens", "0", "--pad-sizes", "16,64", *flags],  # fewer variants to compile;
             # echo is refused by its size, scored or not
             cwd=str(REPO), env=env, stdout=self.log_file, stderr=subprocess.STDOUT)
+        self.starting = None  # (/health's body, a completion's response) seen while it started
         deadline = time.time() + 300
         while True:
             assert self.proc.poll() is None, self.log()
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                health = httpx.get(self.url + "/health", timeout=2)
+                if health.status_code == 200:
                     break
+                if health.status_code == 503 and self.starting is None:
+                    completion = httpx.post(self.url + "/v1/completions", headers=AUTH, timeout=2,
+                                            json={"model": "austen-moe", "prompt": "It is", "max_tokens": 2})
+                    self.starting = (health.json(), completion)
             except httpx.HTTPError:
                 pass
             assert time.time() < deadline, "the server did not start: " + self.log()
-            time.sleep(0.3)
+            time.sleep(0.1)
 
     def log(self) -> str:
         self.log_file.flush()
@@ -116,6 +122,27 @@ def _length(data: bytes) -> int:
         if name.strip().lower() == b"content-length":
             return int(value)
     return 0
+
+
+def test_the_port_answers_503_saying_the_phase_while_the_model_starts(serve):
+    """While the model restores and compiles, /health is a 503 whose JSON says the phase (and the
+    progress over the compiled steps once they are counted); any other path a 503 with
+    Retry-After in OpenAI's error shape; stderr shows each phase and ends with their durations."""
+    assert serve.starting is not None, "the port never answered before the model was ready: " + serve.log()
+    health, completion = serve.starting
+    assert health["status"] == "starting" and health["phase"] in ("starting", "restore", "backend", "layout",
+                                                                  "compile", "server"), health
+    assert isinstance(health["elapsed_s"], (int, float)) and health["elapsed_s"] >= 0
+    if health["phase"] == "compile":
+        assert 0 <= health["progress"]["done"] <= health["progress"]["total"]
+    assert completion.status_code == 503 and int(completion.headers["retry-after"]) > 0
+    assert completion.json()["error"]["code"] == "starting" and "starting" in completion.json()["error"]["message"]
+    log = serve.log()
+    for phase in ("restore", "backend", "layout", "compile"):
+        assert f"start: {phase}" in log, log[-3000:]
+    assert "compiled steps: " in log  # the progress bar over them
+    summary = [line for line in log.splitlines() if line.startswith("started in ")]
+    assert len(summary) == 1 and all(f"{phase} " in summary[0] for phase in ("imports", "restore", "compile")), log
 
 
 def test_the_soft_file_limit_is_raised_to_the_hard_one(serve):
@@ -278,11 +305,19 @@ def test_serve_caches_prefixes_and_reports_them(serve):
     assert float(hits[0].split()[-1]) >= cached and float(queries[0].split()[-1]) >= 2 * first["usage"]["prompt_tokens"]
 
 
-def test_sigterm_with_a_stalled_upload_exits(tmp_path):
+def test_sigterm_with_a_stalled_upload_exits(serve, tmp_path):
     """A stalled upload (with a long read timeout) does not hold the process: it exits within
-    the drain timeout plus a few seconds, rc 0, and says what it ended."""
+    the drain timeout plus a few seconds, rc 0, and says what it ended. (It is the module's second
+    start of the same model and settings, after ``serve``'s, with the same compile cache: that
+    start compiles nothing, counted, and reads the kernels' calibration from their cache.)"""
     process = ServeProcess(tmp_path, "--read-timeout", "120", "--shutdown-timeout", "2")
     try:
+        # the same model and settings as the module's first server, with its compile cache: this
+        # start loads every step and compiles nothing, and reads the kernels' calibration
+        summary = [line for line in process.log().splitlines() if line.startswith("started in ")]
+        assert summary and " 0 compiled)" in summary[0] and summary[0].endswith("; 0 XLA compilations"), \
+            process.log()[-3000:]
+        assert "calibration: every shape read from the cache" in process.log() or "backend: xla" in process.log()
         stalled = _connect(process.port)
         stalled.sendall(_head("/v1/completions", "Transfer-Encoding: chunked\r\n") + b"5\r\n{\"mod")
         idle = _connect(process.port)
