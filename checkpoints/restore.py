@@ -26,43 +26,84 @@ class Restored:
     tokenizer_path: str | None
 
 
-def restore(directory: str, *, mesh: Mesh | None = None, dtype=None, dequantize: bool = False,
-            config=None, rules: dict | None = None, tokenizer: str | None = None, shard: int = 0,
-            progress: bool | None = None) -> Restored:
-    """Restore a native or original-layout checkpoint onto ``mesh`` (default: one device)."""
+TOKENIZER = "tokenizer.model"
+WHERE_GROK1_TOKENIZER = ("Grok-1's tokenizer.model ships in the code repository, "
+                         "https://github.com/xai-org/grok-1, not with the weights")
+
+
+def find_tokenizer(directory: str) -> str | None:
+    """An original checkpoint's SentencePiece model: ``tokenizer.model`` beside ``ckpt-0/``, else one
+    level up (where Grok-1's code repository keeps it when the weights are downloaded into its
+    ``checkpoints/``). A native checkpoint holds its own (``open_native``)."""
+    for candidate in (directory, os.path.dirname(os.path.abspath(directory))):
+        path = os.path.join(candidate, TOKENIZER)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+@dataclasses.dataclass
+class Inspected:
+    """What a checkpoint is, read from its headers alone: its layout ("native" or "original"), its
+    config, its parameters as ShapeDtypeStructs and its tokenizer (checked against the vocabulary)."""
+    layout: str
+    config: ModelConfig
+    params: dict
+    tokenizer_path: str | None
+    sources: dict = dataclasses.field(repr=False)  # the lazy tensors, for ``materialize``
+
+
+def inspect(directory: str, config=None, tokenizer: str | None = None, *, need_tokenizer: bool = False,
+            shard: int = 0) -> Inspected:
+    """Every check that needs no weights, in seconds: the layout, the config (stored or passed: a
+    preset name, a JSON file or a ``ModelConfig``; both must agree), each tensor's name, shape and
+    dtype from the headers, and the tokenizer (``tokenizer``, else ``find_tokenizer``) against the
+    config's vocabulary; with ``need_tokenizer``, a missing one is an error saying what to pass.
+    ``CheckpointError`` naming the file otherwise."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: checkpoint directory does not exist")
     if os.path.exists(os.path.join(directory, CONFIG)):
+        layout = "native"
         stored, sources, tokenizer_path = open_native(directory)
         if config is not None and resolve_config(config) != stored:
             raise CheckpointError(f"{directory}: config.json differs from the config passed in: "
                                   f"{config_differences(stored, resolve_config(config))} (checkpoint != passed)")
         config = stored
     elif os.path.isdir(os.path.join(directory, "ckpt-0")):
+        layout = "original"
         if config is None:
-            raise CheckpointError(f"{directory}: an original Grok-1 checkpoint stores no config; pass "
-                                  "config= a preset name or a JSON file")
+            raise CheckpointError(f"{directory}: an original Grok-1 checkpoint (ckpt-0/) stores no config; "
+                                  "pass --config grok-1 (a preset name or a JSON file)")
         config = resolve_config(config)
         sources = open_original(directory, config, shard)
-        tokenizer_path = None
+        tokenizer_path = find_tokenizer(directory)
     else:
         raise CheckpointError(f"{directory}: neither a native checkpoint (config.json) nor an original "
                               "Grok-1 one (ckpt-0/)")
+    check_sources(sources, config)
     tokenizer_path = tokenizer or tokenizer_path
+    if tokenizer_path is None and need_tokenizer:
+        where = f"; {WHERE_GROK1_TOKENIZER}" if layout == "original" else ""
+        raise CheckpointError(f"{directory}: no {TOKENIZER} in it or its parent directory: pass --tokenizer "
+                              f"PATH{where}")
     check_tokenizer(tokenizer_path, config)
-    params = materialize(sources, config, mesh=mesh, dtype=dtype, dequantize=dequantize, rules=rules,
+    params = _nest({name: _placeholder(source) for name, source in sources.items()})
+    return Inspected(layout, config, params, tokenizer_path, sources)
+
+
+def restore(directory: str, *, mesh: Mesh | None = None, dtype=None, dequantize: bool = False,
+            config=None, rules: dict | None = None, tokenizer: str | None = None, shard: int = 0,
+            progress: bool | None = None) -> Restored:
+    """Restore a native or original-layout checkpoint onto ``mesh`` (default: one device), after
+    ``inspect``'s checks."""
+    inspected = inspect(directory, config, tokenizer, shard=shard)
+    config = inspected.config
+    params = materialize(inspected.sources, config, mesh=mesh, dtype=dtype, dequantize=dequantize, rules=rules,
                          progress=progress)
-    return Restored(config, params, tokenizer_path)
+    return Restored(config, params, inspected.tokenizer_path)
 
 
 def abstract_checkpoint(directory: str, config=None) -> tuple[ModelConfig, dict]:
     """The config and ShapeDtypeStruct tree of a checkpoint, read from headers only (for planning)."""
-    if os.path.exists(os.path.join(directory, CONFIG)):
-        config, sources, _ = open_native(directory)
-    elif config is not None:
-        config = resolve_config(config)
-        sources = open_original(directory, config)
-    else:
-        raise CheckpointError(f"{directory}: not a native checkpoint; pass a config for the original layout")
-    check_sources(sources, config)
-    return config, _nest({name: _placeholder(source) for name, source in sources.items()})
+    inspected = inspect(directory, config)
+    return inspected.config, inspected.params

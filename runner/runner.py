@@ -358,6 +358,7 @@ def _build_engine(spec: InferenceRunner, startup: Startup) -> Engine:
     if mesh is None:
         shape = tuple(a * b for a, b in zip(spec.local_mesh_config, spec.between_hosts_config))
         mesh = make_mesh(shape, jax.devices()[: shape[0] * shape[1]])
+    _preflight(spec, mesh)
     size = spec.prefix_block_size
     executor = Executor.create(spec.runner, mesh, spec.batch_size, spec.prefix_cache_blocks, size,
                                spec.prefix_cache_bytes, startup=startup)
@@ -381,6 +382,46 @@ def _build_engine(spec: InferenceRunner, startup: Startup) -> Engine:
                           speculative=spec.speculative)
     outputs = OutputProcessor(tokenizer, config.eos_token, spec.grammar_of)
     return Engine(scheduler, executor, outputs, spec.prepare)
+
+
+def _preflight(spec: InferenceRunner, mesh: jax.sharding.Mesh) -> None:
+    """Every check that needs no weights, before the restore, so that a wrong flag fails in seconds
+    rather than after hundreds of GB are read: the checkpoint's headers against its config, the
+    tokenizer against the vocabulary (``checkpoints.restore.inspect``), and the weights and the
+    slots' KV against each device's memory where the devices report it (GPUs, TPUs)."""
+    if spec.runner.params is not None or spec.runner.checkpoint_path is None:
+        return
+    from checkpoints.restore import inspect
+    from model.plan import memory_plan
+
+    inspected = inspect(spec.runner.checkpoint_path, spec.runner.model, spec.tokenizer_path)
+    memory = device_memory(mesh.devices.flat[0])
+    if memory is None:
+        return
+    config = inspected.config
+    if spec.runner.dtype is not None:
+        config = dataclasses.replace(config, fprop_dtype=spec.runner.dtype)
+    batch = spec.batch_size or max(1, int(spec.runner.bs_per_device * mesh.size))
+    plan = memory_plan(config, inspected.params, mesh_shape=(mesh.shape["data"], mesh.shape["model"]),
+                       batch_size=batch, device_memory=memory, kv_dtype=spec.runner.kv_dtype,
+                       rules=spec.runner.rules)
+    if plan.weight_bytes + plan.kv_bytes > memory:
+        gib = 2**30
+        raise ValueError(
+            f"{spec.runner.checkpoint_path}: {plan.weight_bytes / gib:,.1f} GiB of weights and "
+            f"{plan.kv_bytes / gib:,.1f} GiB of KV for batch {batch} a device do not fit in its "
+            f"{memory / gib:,.1f} GiB: use more devices on the mesh's model axis (--mesh), a smaller "
+            f"--batch-size or --kv-dtype int8 (--plan shows the plan)")
+
+
+def device_memory(device) -> Optional[int]:
+    """The bytes a device may hold, if it says (``memory_stats()["bytes_limit"]``: GPUs, TPUs; not CPUs)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
 
 
 class RunStream:
