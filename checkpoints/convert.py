@@ -1,6 +1,6 @@
 """Convert an original Grok-1 checkpoint to the native format, streaming tensor by tensor.
 
-    python -m checkpoints.convert SRC DST --config PRESET|JSON [--tokenizer tokenizer.model]
+    grok-runner convert SRC DST --config PRESET|JSON [--tokenizer tokenizer.model]   (cli/convert.py)
 
 SRC holds ``ckpt-0/tensor*_000`` (never unpickled: see checkpoints/safe_pickle.py); DST receives
 ``config.json``, safetensors shards and, with ``--tokenizer``, ``tokenizer.model``. Every tensor's
@@ -9,9 +9,6 @@ name, shape and dtype is checked against the config before a byte is written.
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 import numpy as np
 from tqdm import tqdm
 
@@ -19,7 +16,6 @@ from checkpoints.grok1_layout import open_original
 from checkpoints.lazy import LazyQuantized
 from checkpoints.native import save_tensors
 from checkpoints.materialize import check_sources, check_tokenizer, resolve_config
-from checkpoints.safe_pickle import CheckpointError
 
 
 def convert(src: str, dst: str, config, *, tokenizer: str | None = None, shard: int = 0,
@@ -38,25 +34,3 @@ def convert(src: str, dst: str, config, *, tokenizer: str | None = None, shard: 
     with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
         save_tensors(dst, config, entries, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes,
                      progress=bar)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("src", help="original checkpoint directory (holding ckpt-0/)")
-    parser.add_argument("dst", help="native checkpoint directory to write")
-    parser.add_argument("--config", required=True, help="a preset name (e.g. grok-1) or a JSON file")
-    parser.add_argument("--tokenizer", help="SentencePiece model to ship with the checkpoint")
-    parser.add_argument("--shard", type=int, default=0, help="host shard suffix to read (default 0)")
-    parser.add_argument("--max-shard-gb", type=float, default=2.0, help="size of each safetensors file")
-    args = parser.parse_args(argv)
-    try:
-        convert(args.src, args.dst, args.config, tokenizer=args.tokenizer, shard=args.shard,
-                max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from checkpoints import CheckpointError, open_native, restore, save
-from checkpoints.convert import convert, main as convert_main
+from checkpoints.convert import convert
+from cli.main import main as command
 from checkpoints.lazy import LazyTensor
 from checkpoints.materialize import materialize
 from backends import XLA
@@ -228,9 +229,9 @@ def test_tokenizer_vocabulary_must_match_the_config(tiny_params, tmp_path):
 
 
 def test_convert_cli_reports_errors(reference_dir, tmp_path, capsys):
-    assert convert_main([str(reference_dir / "ckpt"), str(tmp_path / "out"), "--config", "no-such"]) == 2
+    assert command(["convert", str(reference_dir / "ckpt"), str(tmp_path / "out"), "--config", "no-such"]) == 2
     assert "neither a preset" in capsys.readouterr().err
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(dataclasses.asdict(GROK_1_REFERENCE_TINY)))
-    assert convert_main([str(reference_dir / "ckpt"), str(tmp_path / "out"), "--config", str(cfg)]) == 0
+    assert command(["convert", str(reference_dir / "ckpt"), str(tmp_path / "out"), "--config", str(cfg)]) == 0
     assert restore(str(tmp_path / "out")).config == GROK_1_REFERENCE_TINY

@@ -1,0 +1,38 @@
+"""The command's entry point: the subcommand named first (``generate`` when none is)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import cli
+
+SUBCOMMANDS = ("generate", "serve", "convert", "plan")
+
+
+def main(argv=None) -> int:
+    """Run a subcommand (``generate`` when none is named); the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "grok-runner"
+    if prog.endswith("__main__.py"):
+        prog = "grok-runner"
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    if command is not None:
+        argv = argv[1:]
+    elif argv[:1] in (["-h"], ["--help"]):
+        print(cli.__doc__.strip(), file=sys.stdout)
+        print("\ngenerate's flags follow (grok-runner SUBCOMMAND --help for the others):\n")
+    if "--plan" in argv and command is None:  # ``run.py --plan ...``, as before the subcommand
+        argv = [a for a in argv if a != "--plan"]
+        command = "plan"
+    if command == "serve":
+        from cli.serve import serve
+        return serve(argv, f"{prog} serve")
+    if command == "convert":
+        from cli.convert import convert
+        return convert(argv, f"{prog} convert")
+    if command == "plan":
+        from cli.plan import plan
+        return plan(argv, f"{prog} plan")
+    from cli.generate import generate
+    return generate(argv, prog if command is None else f"{prog} generate")
