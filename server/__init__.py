@@ -2,6 +2,6 @@
 Prometheus metrics; ``python run.py serve`` starts it. No scheduling and no model math here."""
 
 from server.app import Server
-from server.http import Limits, serve_forever
+from server.http import Limits, configure_logging, serve_forever
 
-__all__ = ["Limits", "Server", "serve_forever"]
+__all__ = ["Limits", "Server", "configure_logging", "serve_forever"]

@@ -17,31 +17,45 @@ as ``Request``) or malformed JSON, 401 without the API key, 404 for another mode
 body that is not ``application/json`` (so a web page cannot post to the API without a CORS
 preflight), 503 with ``Retry-After`` only when waiting would help. A client that disconnects,
 streamed or not, cancels its requests: their slots are free at the next round.
+
+Operations, each off or quiet by default: an access log (``http.AccessLog``), a stats line every
+``stats_interval`` seconds while there is activity (``metrics.StatsLine``), and cross-origin
+access (CORS) for ``allowed_origins``. Without CORS a browser keeps the pages of other origins
+from the API, as the CORS rules have it: no response carries ``Access-Control-Allow-Origin`` and a
+preflight (``OPTIONS``, which an ``Authorization`` header or a JSON body needs) is a 405. With
+them, Starlette's ``CORSMiddleware`` answers the preflights (before the key is checked: a browser
+sends none with them) and marks every response to an allowed origin, streams and errors included.
+Both middlewares wrap the whole app, its handler of unexpected errors too, so a 500 is logged and
+marked like any other response.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
 import logging
 import pathlib
+import re
 import tempfile
 import threading
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import pydantic
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from runner import InferenceRunner, Request
 from server.chat import ChatTemplate
-from server.metrics import Metrics
+from server.http import AccessLog
+from server.metrics import Metrics, StatsLine
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest, bad_request)
 from server.choices import SHUTDOWN, Choice, Sink, usage_of
@@ -53,6 +67,7 @@ CHAT_PAGE = pathlib.Path(__file__).with_name("static") / "chat.html"
 # a body up to this size is read into memory; a larger one is spooled to a temporary file while it
 # arrives and waits for its turn there (uvicorn's own buffer of a connection is this size too)
 BODY_IN_MEMORY = 64 << 10
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+")  # scheme://host[:port], as a browser's Origin header has it
 
 
 class ClientGone(Exception):
@@ -89,12 +104,65 @@ class _Turn:
         self.release()
 
 
+def check_origins(origins) -> tuple[str, ...]:
+    """``allowed_origins`` as the browser's ``Origin`` header spells them (scheme and host in
+    lower case); none: CORS off."""
+    if origins is None:
+        return ()
+    if not isinstance(origins, (list, tuple)) or not all(isinstance(o, str) for o in origins):
+        raise ValueError(f"allowed_origins must be a list of origins (or [\"*\"]), got {origins!r}")
+    bad = [o for o in origins if o != "*" and not ORIGIN.fullmatch(o.lower())]
+    if bad:
+        raise ValueError(f"allowed_origins: {bad[0]!r} is not an origin: expected scheme://host[:port] with no "
+                         f"path (as https://example.com), or *")
+    return tuple(o.lower() for o in origins)
+
+
+def edge(allowed_origins=None, access_log: bool = False) -> list:
+    """The operations' middleware, innermost first: CORS for ``allowed_origins`` (checked by
+    ``check_origins``), then the access log, outermost so that preflights are logged too. The
+    server's app and the start-up's 503s (``server.starting``) are both served behind it."""
+    outer = []
+    allowed_origins = check_origins(allowed_origins)
+    if allowed_origins:
+        # any request header: the key is a bearer token and no cookie is allowed, and OpenAI's
+        # JavaScript client sends headers of its own (x-stainless-*); Retry-After and
+        # x-should-retry readable by the page, as the OpenAI clients read them
+        outer.append(functools.partial(CORSMiddleware, allow_origins=allowed_origins,
+                                       allow_methods=["GET", "POST"], allow_headers=["*"],
+                                       expose_headers=["Retry-After", "x-should-retry"],
+                                       allow_private_network=True, max_age=600))
+    if access_log:
+        outer.append(AccessLog)
+    return outer
+
+
+class _App(FastAPI):
+    """FastAPI with the middleware ``outer`` (innermost first) around its whole stack: Starlette
+    puts added middleware inside its handler of unexpected errors, whose 500 would then go
+    unlogged by the access log and without the CORS header."""
+
+    def __init__(self, outer: list, **kwargs):
+        self.outer = outer
+        super().__init__(**kwargs)
+
+    def build_middleware_stack(self):
+        app = super().build_middleware_stack()
+        for middleware in self.outer:
+            app = middleware(app)
+        return app
+
+
 class Server:
-    """``app`` serves ``runner`` (initialised) as ``model_name``."""
+    """``app`` serves ``runner`` (initialised) as ``model_name``. Operations (see the module
+    docstring): ``access_log``, ``stats_interval`` (seconds; 0: no stats line) and
+    ``allowed_origins`` (origins as ``https://host[:port]``, or ``["*"]``; None: no CORS)."""
 
     def __init__(self, runner: InferenceRunner, model_name: str, api_key: Optional[str] = None,
                  max_waiting: int = 256, max_body_bytes: int = 4 << 20, chat_template: ChatTemplate | None = None,
-                 max_scored_tokens: Optional[int] = None, private_docs_and_metrics: bool = False):
+                 max_scored_tokens: Optional[int] = None, private_docs_and_metrics: bool = False,
+                 access_log: bool = False, stats_interval: float = 10.0,
+                 allowed_origins: Optional[Sequence[str]] = None):
         if runner.tokenizer is None:
             raise ValueError("the server needs a runner with a tokenizer (text in, text out)")
         for name, value in (("max_waiting", max_waiting), ("max_body_bytes", max_body_bytes),
@@ -105,6 +173,14 @@ class Server:
             raise ValueError(f"api_key must be a non-empty string or None, got {api_key!r}")
         if private_docs_and_metrics and api_key is None:
             raise ValueError("private_docs_and_metrics needs an api_key")
+        if not isinstance(access_log, bool):
+            raise ValueError(f"access_log must be True or False, got {access_log!r}")
+        if (not isinstance(stats_interval, (int, float)) or isinstance(stats_interval, bool)
+                or not 0 <= stats_interval < float("inf")):
+            raise ValueError(f"stats_interval must be a number of seconds >= 0 (0: no stats line), got "
+                             f"{stats_interval!r}")
+        self.access_log, self.stats_interval = access_log, stats_interval
+        self.allowed_origins = check_origins(allowed_origins)
         self.runner, self.model_name, self.api_key = runner, model_name, api_key
         self._key_digest = None if api_key is None else hashlib.sha256(api_key.encode()).digest()
         self.max_waiting, self.max_body_bytes = max_waiting, max_body_bytes
@@ -158,14 +234,20 @@ class Server:
             self.loop = asyncio.get_running_loop()
             self.runner.engine.start()
             self.ready = True
+            stats = (asyncio.create_task(StatsLine(self.metrics, self.runner).run(self.stats_interval))
+                     if self.stats_interval else None)
             try:
                 yield
             finally:
+                if stats is not None:
+                    stats.cancel()
+                    await asyncio.wait([stats])
                 self.ready = False
                 self.runner.engine.stop()
 
+        outer = edge(self.allowed_origins, self.access_log)
         public_docs = {} if not self.private else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-        app = FastAPI(title="grok1-jax-runner", lifespan=lifespan, **public_docs)
+        app = _App(outer, title="grok1-jax-runner", lifespan=lifespan, **public_docs)
         self._error_handlers(app)
         self._pages(app)
         self._api(app)
@@ -266,8 +348,8 @@ class Server:
                 body = await self._parse(request, TokenizeRequest, turn, needs_model=False)
                 if (body.prompt is None) == (body.messages is None):
                     raise APIError(400, "tokenize needs exactly one of prompt and messages", "prompt")
-                text = body.prompt if body.prompt is not None else await asyncio.to_thread(self._render, body.messages)
-                ids = await asyncio.to_thread(self.runner.tokenizer.encode, text)
+                text = body.prompt if body.prompt is not None else await asyncio.to_thread(self._render, body)
+                ids = await asyncio.to_thread(self.runner.tokenizer.encode, text) if isinstance(text, str) else text
                 # JSONResponse directly: FastAPI's encoder walks a long list in Python, on the loop
                 return JSONResponse({"tokens": ids, "count": len(ids),
                                      "max_model_len": self.runner.config.sequence_len})
@@ -376,9 +458,12 @@ class Server:
                            f"{self.max_waiting} waiting); retry later", None, type="server_overloaded",
                            headers={"Retry-After": "1"})
 
-    def _render(self, messages) -> str:
+    def _render(self, body):
+        """A body's messages as its prompt: text, or ids where the template wrote special tokens
+        (``ChatTemplate.prompt``)."""
         try:
-            return self.chat_template.render([{"role": m.role, "content": m.text()} for m in messages])
+            return self.chat_template.prompt(tokenizer=self.runner.tokenizer, context=self.runner.config.sequence_len,
+                                             **body.template_args())
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
 
@@ -422,7 +507,7 @@ class Server:
         piece (a decode call brings several tokens together; one chunk each would cost the HTTP
         path a JSON dump and a client parse per token). Cancels its request if the consumer
         stops early (a disconnect)."""
-        request, last = choice.request, None
+        request, last, counted = choice.request, None, 0
         try:
             while not choice.done:
                 events = [await sink.queue.get()]
@@ -451,11 +536,14 @@ class Server:
                     piece += choice.add(event, top)
                 if last is not None:  # the next tokens' gap counts from these
                     last = now
+                # counted as they reach the client, so the stats line's throughput is of each interval
+                self.metrics.generation_tokens.inc(len(choice.tokens) - counted)
+                counted = len(choice.tokens)
                 yield piece
         finally:
             with self._inflight_lock:
                 self._inflight.discard(sink)
-            self.metrics.generation_tokens.inc(len(choice.tokens))
+            self.metrics.generation_tokens.inc(len(choice.tokens) - counted)
             if choice.speculation is not None:
                 self.metrics.speculated(choice.speculation)
             if not choice.done or self.runner.engine.is_live(request.request_id):
@@ -575,6 +663,7 @@ class Server:
                                 lambda: usage_of(sum(len(i) for i in ids), choices, body.n), echo_logprobs)
         if not echo_only:
             return await self._answer(body, shape, choices, sinks, body.logprobs or 0, arrived, http)
+        http.state.request_id = shape.id  # for the access log
         await self._run_all(choices, sinks, body.logprobs or 0, arrived, http)
         for c in choices:  # the scoring request's token is not part of the answer
             c.text, c.tokens, c.logprobs, c.tops, c.offsets, c.finish_reason = "", [], [], [], [], "length"
@@ -595,6 +684,7 @@ class Server:
     async def _answer(self, body, shape, choices, sinks, top: int, arrived: float, http: HTTPRequest):
         """The answer of either endpoint in its ``shape`` (``server/responses.py``): streamed as SSE
         chunks (with the usage chunk when asked), or whole once every choice has ended."""
+        http.state.request_id = shape.id  # for the access log
         if body.stream:
             final = shape.final if body.include_usage() else None
             return await self._stream(choices, sinks, top, arrived, shape.chunk, final, http)
@@ -615,7 +705,7 @@ class Server:
     async def _chat(self, body: ChatCompletionRequest, http: HTTPRequest, arrived: float, turn: "_Turn"):
         body.check()
         self._check_capacity(body.n, "n")
-        prompt = await asyncio.to_thread(self._render, body.messages)
+        prompt = await asyncio.to_thread(self._render, body)
 
         def make_runs(ids):
             max_tokens = body.max_completion_tokens or body.max_tokens or max(

@@ -17,6 +17,10 @@ requests on open ones are answered 503, and requests in flight may finish for up
 an error event, a whole response with a 503), uploads still arriving are closed, and the process
 returns: a shutdown always ends, within the drain timeout plus a few seconds. A second signal
 exits at once.
+
+The process's logs: ``configure_logging(level)`` (``--log-level``), and ``AccessLog``, the
+middleware of the optional access log (``--access-log``): a line per request with its duration,
+which uvicorn's own access log does not have (that one stays off).
 """
 
 from __future__ import annotations
@@ -26,19 +30,20 @@ import functools
 import logging
 import resource
 import signal
+import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-if TYPE_CHECKING:
-    from server.app import Server
-
 log = logging.getLogger("grok_runner.server")
+access_log = logging.getLogger("grok_runner.server.access")
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 BACKSTOP = 3.0  # seconds after the drain timeout before uvicorn cancels the tasks still running
 
 
@@ -135,11 +140,79 @@ class GuardedH11Protocol(H11Protocol):
 
 
 def uvicorn_config(app, limits: Limits = Limits(), **kwargs) -> uvicorn.Config:
-    """The uvicorn config every server of ours runs with (``python run.py serve`` and the tests)."""
+    """The uvicorn config every server of ours runs with (``python run.py serve`` and the tests).
+    uvicorn leaves logging alone (no handlers or levels of its own): its records go where
+    ``configure_logging`` sends ours, in our format; its access log is off (``AccessLog``)."""
     return uvicorn.Config(app, http=functools.partial(GuardedH11Protocol, read_timeout=limits.read_timeout),
                           timeout_keep_alive=limits.keep_alive_timeout,
                           timeout_graceful_shutdown=limits.shutdown_timeout + BACKSTOP,
-                          log_level=kwargs.pop("log_level", "warning"), **kwargs)
+                          **{"log_config": None, "log_level": None, "access_log": False, **kwargs})
+
+
+def configure_logging(level: str = "info") -> None:
+    """The server process's logging (``--log-level``): lines on stderr with time, level and logger;
+    the server's own (``grok_runner.server``: connections closed, clients gone, the drain, the
+    access log and the stats line) at ``level``. The runner's and uvicorn's follow it at debug and
+    from warning up, and stay at warning at info: their info lines repeat what the command prints
+    (the backend and KV reports, uvicorn's start-up banner). Other libraries: warning and up."""
+    if not isinstance(level, str) or level.lower() not in LOG_LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    value = getattr(logging, level.upper())
+    logging.basicConfig(format=LOG_FORMAT, stream=sys.stderr)  # a no-op where the root has a handler already
+    logging.getLogger().setLevel(max(value, logging.WARNING))
+    logging.getLogger("grok_runner.server").setLevel(value)
+    others = value if value != logging.INFO else logging.WARNING
+    for name in ("grok_runner", "uvicorn", "uvicorn.error", "uvicorn.asgi"):
+        logging.getLogger(name).setLevel(others)
+
+
+class AccessLog:
+    """ASGI middleware: one INFO line per HTTP request on ``grok_runner.server.access`` once its
+    response has ended (a stream: its last event), as
+    ``127.0.0.1:52044 "POST /v1/completions" 200 812.4 ms cmpl-4f0c...``: the client, the method,
+    the path as sent (percent-encoded, without its query string), the status, the milliseconds
+    from the request's head to the end of its response, and the response's id where it has one
+    (``request.state.request_id``). Never a header or a body, so never the API key. A client that
+    left first is marked ``client gone`` (and ``-`` for the status it never got)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status, done, gone = None, False, False
+
+        async def sending(message) -> None:
+            nonlocal status, done
+            if message["type"] == "http.response.start" and not gone:
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                done = True
+            await send(message)
+
+        async def receiving():
+            nonlocal gone
+            message = await receive()
+            # after the response uvicorn answers every receive with a disconnect: not a client leaving
+            gone = gone or (message["type"] == "http.disconnect" and not done)
+            return message
+
+        try:
+            await self.app(scope, receiving, sending)
+        except Exception:
+            status = status or 500  # unanswered: uvicorn answers 500
+            raise
+        finally:
+            client = "%s:%d" % tuple(scope["client"][:2]) if scope.get("client") else "-"
+            # as received, any byte outside printable ASCII escaped: a path cannot break the line
+            path = (scope.get("raw_path") or scope["path"].encode()).partition(b"?")[0]
+            path = "".join(chr(b) if 0x20 < b < 0x7f else f"\\x{b:02x}" for b in path)
+            request_id = scope.get("state", {}).get("request_id")
+            access_log.info("%s \"%s %s\" %s %.1f ms%s%s", client, scope["method"], path,
+                            status or "-", (time.perf_counter() - start) * 1e3,
+                            f" {request_id}" if request_id else "", " client gone" if gone else "")
 
 
 def close_uploads(userver: uvicorn.Server) -> int:
@@ -168,7 +241,7 @@ class ShutdownHandle:
     """Graceful shutdown of a uvicorn server that runs in its own thread (``serve_forever``, and
     the tests): ``begin()`` stops new work, ``expire()`` ends what the drain did not finish."""
 
-    def __init__(self, server: "Server", userver: uvicorn.Server):
+    def __init__(self, server, userver: uvicorn.Server):
         self.server, self.userver = server, userver
 
     def begin(self) -> None:
@@ -192,7 +265,7 @@ class ShutdownHandle:
             log.warning("shutdown: closed %d connection(s) still uploading a request", closed)
 
 
-def serve_forever(server: "Server", host: str, port: int, limits: Limits = Limits(),
+def serve_forever(server, host: str, port: int, limits: Limits = Limits(),
                   build: Optional[Callable[[], None]] = None) -> int:
     """Serve ``server`` on ``host:port`` until SIGINT or SIGTERM, then shut down as the module
     docstring says and return: 0 after a drain (requests ended by its timeout included, and

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
     from runner.startup import Startup
@@ -26,8 +26,12 @@ class Starting:
     It has the surface ``serve_forever``'s shutdown uses (``loop``, ``begin_drain``,
     ``end_inflight``), passed on to the server once there is one."""
 
-    def __init__(self, startup: "Startup"):
+    def __init__(self, startup: "Startup", edge: Sequence = ()):
         self.startup = startup
+        answer = self._starting
+        for middleware in edge:  # ``server.app.edge``: CORS and the access log, as the server's own
+            answer = middleware(answer)
+        self._answer = answer
         self.server: Optional["Server"] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stop_server = None  # ends the attached server's lifespan (uvicorn's shutdown)
@@ -89,6 +93,10 @@ class Starting:
             return await self.server.app(scope, receive, send)
         if scope["type"] != "http":
             return  # a websocket: refused (closed unanswered) until the model is ready
+        await self._answer(scope, receive, send)
+
+    async def _starting(self, scope, receive, send) -> None:
+        """503: /health with the start's phase, any other path with Retry-After."""
         status = self.startup.status()
         if self.draining:
             status["status"] = "stopping"
