@@ -1,9 +1,10 @@
-"""Structured output: JSON grammars turned into next-token masks (``response_format``).
+"""Structured output: grammars turned into next-token masks (``Request.json_schema``).
 
-A request with ``{"type": "json_object"}`` or ``{"type": "json_schema", ...}`` gets a ``Matcher``.
-Each decode step the engine asks it for a bitmask of the allowed next tokens, masks the logits on
-device, samples, and feeds the sampled token back with ``accept``. When the JSON is complete
-(``done``: only EOS may follow) the engine ends the request at once (``runner/outputs.py``).
+A request with a JSON schema (``{"type": "object"}`` for any object) or a Lark grammar (``lark``:
+the server's regex, choice, grammar and forced tool calls) gets a ``Matcher``. Each decode step the
+engine asks it for a bitmask of the allowed next tokens, masks the logits on device, samples, and
+feeds the sampled token back with ``accept``. When the output is complete (``done``: only EOS may
+follow) the engine ends the request at once (``runner/outputs.py``).
 
 The grammar engine is llguidance (an Earley parser over a lexer, walking a trie of the vocabulary
 for each mask). The three maintained engines, measured on a shared, loaded 2-core CPU (so +-50%):
@@ -30,9 +31,18 @@ The bitmask, shared with the device side: int32 words ``words[ceil(V / 32)]``; t
 
 (little-endian bit order within a word; ids beyond the tokenizer's pieces are never allowed).
 
-Formatting: whitespace between JSON tokens is allowed but bounded (``_WHITESPACE``), so a model can
-pretty-print yet cannot loop on spaces forever; one optional leading space is allowed because a
-SentencePiece model usually starts its reply with a ``▁``-prefixed piece (``▁{"``).
+Formatting: a schema may set llguidance's spacing options itself, in its ``x-guidance``
+(``JSON_OPTIONS``: ``whitespace_flexible``, ``whitespace_pattern``, ``item_separator``,
+``key_separator``); the server sets them for every JSON output it asks for: compact (``COMPACT``)
+unless a request gives ``guided_whitespace_pattern``. A schema without them gets ``_WHITESPACE``:
+whitespace allowed but bounded, so a model can pretty-print yet cannot loop on spaces forever. One
+optional leading space is allowed before a JSON document because a SentencePiece model usually
+starts its reply with a ``▁``-prefixed piece (``▁{"``); a Lark grammar gets none it does not write
+itself.
+
+A Lark grammar travels in ``Request.json_schema`` as ``{LARK_KEY: source}`` (``lark``), the one
+field a request has for the rules of its output; ``LARK_KEY`` is no JSON-schema keyword, and the
+server refuses a schema that uses it.
 
 Threads: ``TokenGrammar.compile_grammar`` and ``Matcher(...)`` may run in server worker threads
 (the cache and the template copy are locked); after that a ``Matcher`` belongs to the engine's
@@ -43,8 +53,10 @@ mask, and calls back into ``_Pieces`` for the bytes a grammar forces).
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
+import re
 import threading
 
 import llguidance
@@ -54,11 +66,23 @@ from runner import schema as schema_checks
 
 KINDS = ("json_object", "json_schema")
 MAX_COMPILED = 64  # compiled grammars kept per tokenizer (LRU)
-# between any two JSON tokens: nothing, one space, or one line break and an indent of up to 16
-# spaces or tabs: room for compact and pretty-printed JSON, none for runs of blank lines (a small
-# model, the shipped one among them, otherwise spends its budget on newlines: measured, 3 of 3
-# schemas ended by length at 200 tokens with up to 20 whitespace characters a gap)
+# A schema that sets no spacing of its own: between any two JSON tokens nothing, one space, or one
+# line break and an indent of up to 16 spaces or tabs: room for compact and pretty-printed JSON,
+# none for runs of blank lines (a small model, the shipped one among them, otherwise spends its
+# budget on newlines: measured, 3 of 3 schemas ended by length at 200 tokens with up to 20
+# whitespace characters a gap)
 _WHITESPACE = r"(\x20|\x0D?\x0A[\x20\x09]{0,16})?"
+# llguidance's JSON options (a schema's "x-guidance") that say how the JSON is spaced; the others
+# (lenient: unknown keywords ignored, coerce_one_of: oneOf read as anyOf) would loosen the schema
+JSON_OPTIONS = ("whitespace_flexible", "whitespace_pattern", "item_separator", "key_separator")
+# No whitespace between JSON tokens, ',' and ':' alone: the server's default. Measured on the
+# shipped model, 8 seeds of each of three schemas at 200 tokens (a flat object; an array of objects
+# beside a number of unbounded digits; a boolean and a patterned string): with _WHITESPACE, 8, 5
+# and 8 ended, in 110, 178 and 75 tokens on average; compact, 8, 1 and 8, in 34, 179 and 21 (the
+# number: compact, no space can end it, and this model writes digits; bound its digits).
+COMPACT = {"whitespace_flexible": False}
+LARK_KEY = "x-lark"  # {LARK_KEY: source}: a Lark grammar, not a JSON schema (see the module docstring)
+_JSON_SPACE = r"[\x20\x09\x0A\x0D]*"  # what JSON allows between its tokens (RFC 8259, section 2)
 # llguidance's limits, with one changed. Its Earley parser checks the items of a new row against
 # max_items_in_row (default 2,000) only when a token is consumed, never while it computes a mask, so
 # a mask can allow a token whose row then breaks the limit: an object of 500 optional properties
@@ -75,6 +99,157 @@ _LIMITS = llguidance.LLParserLimits(verbose_errors=False,  # short errors: they 
 
 def num_mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
+
+
+# ---- constraints as requests carry them, and the checks that need no tokenizer ------------------
+def lark(source: str) -> dict:
+    """The ``Request.json_schema`` of a Lark grammar (llguidance's dialect, which embeds JSON
+    schemas as ``%json {...}``): the output is a string the grammar's ``start`` rule matches."""
+    if not isinstance(source, str):
+        raise TypeError(f"a Lark grammar is text, got {type(source).__name__}")
+    return {LARK_KEY: source}
+
+
+def is_lark(constraint) -> bool:
+    return isinstance(constraint, dict) and LARK_KEY in constraint
+
+
+def lark_literal(text: str) -> str:
+    """``text`` as a Lark string literal (JSON's escapes are Lark's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def lark_regex(pattern: str) -> str:
+    """``pattern`` (llguidance's regex syntax, Rust's ``regex`` crate) as a Lark regex token."""
+    return "/" + llguidance.regex_to_lark(pattern, "") + "/"
+
+
+def lark_json(schema: dict) -> str:
+    """A JSON schema embedded in a Lark rule: a JSON value the schema accepts (its own document:
+    its ``$ref``s resolve in it)."""
+    return "%json " + json.dumps(schema, ensure_ascii=False, allow_nan=False)
+
+
+def _remembered(check):
+    """``check`` (of one text; ValueError naming what is wrong) with its verdicts on the last 256
+    texts kept: a client sends the same tools, regex or grammar with each request, and a check
+    costs the server's event loop 1 to 3 ms."""
+    @functools.lru_cache(maxsize=256)
+    def verdict(text: str):
+        try:
+            check(text)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    @functools.wraps(check)
+    def checked(text) -> None:
+        if not isinstance(text, str):
+            return check(text)
+        message = verdict(text)
+        if message is not None:
+            raise ValueError(message)
+    return checked
+
+
+@_remembered
+def check_lark(source: str) -> None:
+    """``ValueError`` naming the problem (and where: ``at line(column)``) if llguidance cannot
+    compile the Lark grammar."""
+    if not isinstance(source, str):
+        raise ValueError(f"a grammar is text, got {type(source).__name__}")
+    error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(source), limits=_LIMITS)
+    if error:
+        raise ValueError(f"cannot compile the grammar: {_one_line(error)}")
+
+
+@_remembered
+def check_regex(pattern: str) -> None:
+    """``ValueError`` naming the problem if ``pattern`` is not a regex llguidance reads."""
+    if not isinstance(pattern, str):
+        raise ValueError(f"a regex is text, got {type(pattern).__name__}")
+    error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_regex(pattern), limits=_LIMITS)
+    if error:  # its position is in the Lark rule llguidance wraps the regex in: left out
+        raise ValueError(f"not a regex llguidance reads: {_one_line(error, position=False)}")
+
+
+def check_schema(schema: dict) -> dict:
+    """What can be checked of a JSON schema without a tokenizer: its depth, JSON, options,
+    llguidance's compile, and a finite document; ``ValueError`` naming the problem. The schema
+    as it will be compiled: with its spacing options (``_WHITESPACE`` if it gives none)."""
+    if not isinstance(schema, dict):
+        raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+    schema_checks.check_depth(schema)  # before anything walks it with recursion (json.dumps, llguidance)
+    options = schema.get("x-guidance", {"whitespace_pattern": _WHITESPACE})
+    if not isinstance(options, dict) or set(options) - set(JSON_OPTIONS):
+        raise ValueError(f"x-guidance: only llguidance's spacing options {list(JSON_OPTIONS)} are taken, got "
+                         f"{options!r}")
+    schema = {**schema, "x-guidance": options}
+    try:
+        text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"schema is not JSON: {e}") from None
+    _check_schema_text(text)
+    return schema
+
+
+@_remembered
+def _check_schema_text(text: str) -> None:
+    schema = json.loads(text)
+    # the schema alone first: its errors read without the Lark wrapper around them
+    try:
+        plain = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    except (ValueError, TypeError, OverflowError) as e:  # e.g. an integer past 64 bits
+        raise ValueError(f"cannot compile the JSON schema: {e}") from None
+    error = llguidance.LLMatcher.validate_grammar(plain, limits=_LIMITS)
+    if error:
+        raise ValueError(f"cannot compile the JSON schema: {_short(error)}")
+    schema_checks.check_satisfiable(schema)  # what llguidance compiles but no document satisfies
+
+
+@_remembered
+def check_whitespace(pattern: str) -> None:
+    """``ValueError`` unless ``pattern`` (a regex for the whitespace between JSON tokens) is a
+    valid regex whose every match is JSON whitespace (space, tab, CR, LF): anything else there
+    would make the output invalid JSON. Decided by llguidance over a vocabulary of single bytes:
+    the pattern's matches that are not JSON whitespace must be no string at all, so no byte may
+    start one."""
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"expected a non-empty regex, got {pattern!r}")
+    check_regex(pattern)
+    beyond = llguidance.LLMatcher.grammar_from_lark(f"start: BEYOND\nBEYOND: {lark_regex(pattern)} & "
+                                                    f"~{lark_regex(_JSON_SPACE)}")
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), beyond, log_level=0, limits=_LIMITS)
+    if matcher.is_error():
+        raise ValueError(f"the grammar engine cannot read it: {_one_line(matcher.get_error())}")
+    words = np.zeros(num_mask_words(257), np.int32)
+    matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+    # an empty language: llguidance finds no token at all and says so (NoExtensionBias)
+    if matcher.is_error() and "NoExtensionBias" not in matcher.get_error():
+        raise ValueError(f"the grammar engine cannot read it: {_one_line(matcher.get_error())}")
+    if not matcher.is_error() and allowed_tokens(words, 256).any():
+        raise ValueError(f"{pattern!r} matches more than JSON whitespace (spaces, tabs, line breaks); the output "
+                         "would not be JSON")
+
+
+class _Bytes:
+    """A vocabulary of the 256 bytes and an EOS, for questions about languages, not models."""
+
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+    tokens = [bytes([b]) for b in range(256)] + [b"\xff</s>"]
+
+    def __call__(self, text) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
+
+
+_BYTE_TOKENIZER: llguidance.LLTokenizer | None = None
+
+
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    global _BYTE_TOKENIZER
+    if _BYTE_TOKENIZER is None:  # a race builds two equal ones: harmless
+        _BYTE_TOKENIZER = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()), n_vocab=257, eos_token=256)
+    return _BYTE_TOKENIZER
 
 
 class _Pieces:
@@ -165,11 +340,13 @@ class TokenGrammar:
         self._lock = threading.Lock()
 
     def compile_grammar(self, kind: str, schema: dict | None = None) -> CompiledGrammar:
-        """The grammar of ``response_format``: "json_object" (any object) or "json_schema" (``schema``).
+        """The grammar of a structured output: "json_object" (any object) or "json_schema"
+        (``schema``: a JSON schema, or a Lark grammar as ``lark`` makes it).
 
         Raises ValueError naming the problem when the schema cannot be compiled or served (nested
         too deep, no finite document satisfies it, unknown type, unsupported keyword, dangling
-        $ref, unsatisfiable constraints, bad regex pattern, too wide for the engine's step).
+        $ref, unsatisfiable constraints, bad regex pattern, too wide for the engine's step; a Lark
+        grammar that does not compile or that no text matches).
         """
         if kind not in KINDS:
             raise ValueError(f"response_format type {kind!r} is not one of {KINDS}")
@@ -179,7 +356,11 @@ class TokenGrammar:
             schema = {"type": "object"}
         elif not isinstance(schema, dict):
             raise ValueError(f"json_schema needs a schema object, got {type(schema).__name__}")
-        schema_checks.check_depth(schema)  # before anything walks it with recursion (json.dumps, llguidance)
+        if is_lark(schema):
+            if set(schema) != {LARK_KEY} or not isinstance(schema[LARK_KEY], str):
+                raise ValueError(f"a Lark grammar is {{{LARK_KEY!r}: source}} alone, got the keys {sorted(schema)}")
+        else:
+            schema_checks.check_depth(schema)  # before anything walks it with recursion (json.dumps, llguidance)
         try:
             # property order is kept, not sorted: it is the order the properties are generated in
             text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
@@ -198,43 +379,41 @@ class TokenGrammar:
         return compiled
 
     def _compile(self, kind: str, schema: dict) -> CompiledGrammar:
-        schema = {**schema, "x-guidance": {"whitespace_pattern": _WHITESPACE}}  # llguidance's options, ours only
-        # the schema alone first: its errors read without the Lark wrapper around them
-        try:
-            plain = llguidance.LLMatcher.grammar_from_json_schema(schema)
-        except (ValueError, TypeError, OverflowError) as e:  # e.g. an integer past 64 bits
-            raise ValueError(f"cannot compile the JSON schema: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(plain, limits=_LIMITS)
-        if error:
-            raise ValueError(f"cannot compile the JSON schema: {_short(error)}")
-        schema_checks.check_satisfiable(schema)  # what llguidance compiles but no document satisfies
-        # the JSON grammar allows no leading whitespace; a Lark rule in front allows one space
-        grammar = llguidance.LLMatcher.grammar_from_lark(f"start: /[ ]?/ json\njson: %json {json.dumps(schema)}")
-        template = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=_LIMITS)
+        if is_lark(schema):
+            check_lark(schema[LARK_KEY])
+            source, what = schema[LARK_KEY], "grammar"
+        else:
+            schema = check_schema(schema)
+            # the JSON grammar allows no leading whitespace; a Lark rule in front allows one space
+            source, what = f"start: /[ ]?/ json\njson: {lark_json(schema)}", "JSON schema"
+        template = llguidance.LLMatcher(self.ll_tokenizer, llguidance.LLMatcher.grammar_from_lark(source),
+                                        log_level=0, limits=_LIMITS)
         if template.is_error():
-            raise ValueError(f"cannot compile the JSON schema: {_short(template.get_error())}")
-        self._probe(template)
+            raise ValueError(f"cannot compile the {what}: {_short(template.get_error())}")
+        self._probe(template, depth=0 if is_lark(schema) else 2)
         return CompiledGrammar(kind, template, self.vocab_size, self.eos_id)
 
     def _probe(self, template: llguidance.LLMatcher, depth: int = 2) -> None:
-        """The first masks a request will need, computed now: at the start, and after the tokens
-        that open the document (``{``, ``[``, with or without the leading space, one token for each
-        spelling), and after those that open its first element (``[{``). A schema the engine
-        cannot start (no document at all, or a first object or array wider than a step's item
-        budget) is then this request's ValueError rather than an error once it generates. Deeper
-        rows are not probed: an engine error there ends its request alone, as the schema's fault
-        (runner/outputs.py)."""
+        """The first masks a request will need, computed now: at the start, and (``depth`` 2, a
+        JSON document) after the tokens that open the document (``{``, ``[``, with or without the
+        leading space, one token for each spelling), and after those that open its first element
+        (``[{``). A grammar the engine cannot start (no document at all, or a first object or
+        array wider than a step's item budget) is then this request's ValueError rather than an
+        error once it generates. Deeper rows are not probed: an engine error there ends its
+        request alone, as the schema's fault (runner/outputs.py)."""
         words = np.zeros(self.num_words, np.int32)
+        what = "JSON schema" if depth else "grammar"
 
         def allowed(matcher) -> list[int]:
             matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
             if matcher.is_error():
-                raise ValueError(f"cannot serve the JSON schema: the grammar engine failed on its first tokens "
+                raise ValueError(f"cannot serve the {what}: the grammar engine failed on its first tokens "
                                  f"({_short(matcher.get_error())}){_hint(matcher.get_error())}")
             ids = np.flatnonzero(allowed_tokens(words, self.vocab_size)).tolist()
             if not set(ids) - {self.eos_id} and not matcher.is_accepting():
                 raise ValueError("no JSON document satisfies the schema (the grammar engine finds no token to "
-                                 "start one)")
+                                 "start one)" if depth else "no text matches the grammar (the grammar engine finds "
+                                 "no token to start one)")
             return ids
 
         def open_(matcher, levels: int) -> None:
@@ -243,7 +422,7 @@ class TokenGrammar:
                 spelled = self.pieces.tokens[token]
                 if spelled.strip(b" ") in (b"{", b"["):
                     openings.setdefault(spelled, token)
-            for spelled, token in openings.items():
+            for spelled, token in openings.items() if levels else ():
                 inside = matcher.deep_copy()
                 if inside.try_consume_tokens([token]) != 1 or inside.is_error():
                     raise ValueError(f"cannot serve the JSON schema: the grammar engine refused its opening "
@@ -262,6 +441,16 @@ def _hint(error: str) -> str:
         return ""
     return ("; the schema is too wide for one step of the engine: thousands of optional properties in one object, "
             "or of anyOf branches, are (list properties in required, or split the schema)")
+
+
+def _one_line(error: str, position: bool = True) -> str:
+    """llguidance's error about a grammar in one line: its first (``at line(column): ...``,
+    without the position if ``position`` is False) and the regex parser's reason, if any, without
+    the listing of the source that follows."""
+    lines = [line.strip() for line in error.strip().splitlines()]
+    first = lines[0] if position else re.sub(r"^at \d+\(\d+\): ", "", lines[0])
+    reason = next((line[len("error: "):] for line in lines if line.startswith("error: ")), None)
+    return f"{first} {reason}" if reason else first
 
 
 def _short(error: str) -> str:

@@ -1,45 +1,182 @@
-"""Chat messages rendered into one prompt text.
+"""Chat messages rendered into one prompt.
 
-A checkpoint may ship its own template: ``chat_template.jinja`` in the checkpoint directory, a
-Jinja2 template over ``messages`` (a list of ``{"role", "content"}``) and ``add_generation_prompt``
-(True), rendered in Jinja2's sandbox (no attribute access to Python internals, no file or module
-access). Without one, the plain default below is used: a ``Role: content`` line per message and a
-final ``Assistant:`` to complete, which a model trained on prose can continue.
+A checkpoint may ship its own template: ``chat_template.jinja`` in the checkpoint directory; the
+server may be given one (``ChatTemplate.from_file``: a Jinja2 file, or a Hugging Face
+``tokenizer_config.json`` holding one). Without one, the plain default below is used: a ``Role:
+content`` line per message and a final ``Assistant:`` to complete, which a model trained on prose
+can continue.
+
+A template is rendered as Hugging Face's ``apply_chat_template`` renders it, so that the templates
+published beside models work unchanged: Jinja2's sandbox (no attribute access to Python internals,
+no file or module access) with ``trim_blocks``, ``lstrip_blocks`` and loop controls, an undefined
+name rendering as nothing (templates test ``message.tool_calls`` on messages that have none),
+``tojson`` without HTML escaping, and these names:
+
+- ``messages``: dicts with ``role`` and ``content`` (text, or None), and where the message has
+  them ``name``, ``tool_call_id`` and ``tool_calls`` (``[{"id", "type": "function", "function":
+  {"name", "arguments"}}]``, the arguments as a dict: what Hugging Face's templates expect);
+- ``tools``: the request's tools (``[{"type": "function", "function": {...}}]``) or None;
+- ``add_generation_prompt``; ``bos_token`` and ``eos_token`` (the tokenizer's BOS and EOS);
+- ``raise_exception(message)``: the template refuses the messages (a 400 with its message);
+- ``strftime_now(format)``: the date, as some templates print it;
+- a request's ``chat_template_kwargs``, under their own names.
+
+The ``bos_token`` and ``eos_token`` a template writes become the tokenizer's ids
+(``ChatTemplate.prompt``), not the characters of their pieces: SentencePiece never reads a control
+piece from text.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
+import re
+import secrets
+from typing import Optional
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 
 TEMPLATE_FILE = "chat_template.jinja"
-DEFAULT_TEMPLATE = (
-    "{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n{% endfor %}"
+DEFAULT_TEMPLATE = (  # a tool call as its JSON ({"name": ..., "arguments": {...}}) after its message's text
+    "{% for m in messages %}{{ m.role | capitalize }}: {% if m.content %}{{ m.content }}{% endif %}"
+    "{% for call in m.tool_calls or [] %}{{ call.function | tojson }}{% endfor %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+# the names the server gives a template; a request's chat_template_kwargs may not replace them
+RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+            "strftime_now")
+
+
+class _Refusal(Exception):
+    """The template called ``raise_exception``."""
+
+
+def _raise_exception(message):
+    raise _Refusal(str(message))
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
+    # Hugging Face's tojson: JSON as json.dumps writes it (Jinja's own escapes <, >, & and ')
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
 
 
 class ChatTemplate:
     def __init__(self, source: str = DEFAULT_TEMPLATE, origin: str = "the default template"):
         self.origin = origin
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, autoescape=False, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
             self.template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{origin}: not a valid Jinja2 template: {e.message} (line {e.lineno})") from None
         except jinja2.TemplateError as e:
             raise ValueError(f"{origin}: not a valid Jinja2 template: {e}") from None
+
+    @classmethod
+    def from_file(cls, path: str) -> "ChatTemplate":
+        """The template in ``path``: a Jinja2 file, or a Hugging Face ``tokenizer_config.json``
+        (``.json``) with its ``chat_template`` (text, or a list of named templates: the one named
+        "default"). Errors name the file."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read the chat template: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: the chat template is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if path.endswith(".json"):
+            source = cls._from_config(source, path)
+        return cls(source, origin=path)
+
+    @staticmethod
+    def _from_config(text: str, path: str) -> str:
+        try:
+            config = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{path}: not JSON: {e}") from None
+        template = config.get("chat_template") if isinstance(config, dict) else None
+        if isinstance(template, list):  # [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if not isinstance(template, str):
+            raise ValueError(f"{path}: expected a Jinja2 template, or a JSON object whose chat_template is one (or "
+                             "a list of named ones with a 'default'), got no such template")
+        return template
 
     @classmethod
     def for_checkpoint(cls, directory: str | None) -> "ChatTemplate":
         path = os.path.join(directory, TEMPLATE_FILE) if directory else None
         if path and os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return cls(f.read(), origin=path)
+            return cls.from_file(path)
         return cls()
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True,
+               special_tokens: Optional[dict[str, str]] = None, extra: Optional[dict] = None,
+               continue_final_message: bool = False) -> str:
+        """The prompt text of ``messages`` (see the module docstring for what the template is
+        given; ``special_tokens``: ``bos_token`` and ``eos_token``, "" if not given).
+        ``continue_final_message``: the text ends where the last message's content does (vLLM's
+        option: the model continues that message). ValueError naming ``messages`` if the
+        template refuses them or fails on them."""
+        names = {**(extra or {}), "messages": messages, "tools": tools,
+                 "add_generation_prompt": add_generation_prompt,
+                 "bos_token": "", "eos_token": "", **(special_tokens or {})}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True)
+            text = self.template.render(**names)
+        except _Refusal as e:
+            raise ValueError(f"messages: the chat template refused them: {e}") from None
         except jinja2.TemplateError as e:
             raise ValueError(f"messages: {self.origin} could not render them: {e}") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:  # a template's own mistake on
+            # these messages (``None | trim``...): still theirs to see, as a 400
+            raise ValueError(f"messages: {self.origin} could not render them: {type(e).__name__}: {e}") from None
+        if continue_final_message:
+            last = messages[-1].get("content") or ""
+            end = text.rfind(last) if last else -1
+            if end < 0:
+                raise ValueError("messages: continue_final_message: the chat template does not write the last "
+                                 "message's content as it is, so it cannot be continued")
+            text = text[: end + len(last)]
+        return text
+
+    def prompt(self, messages: list[dict], tokenizer, context: int, **options):
+        """The prompt the server runs: ``render``'s text, or its ids where the template wrote
+        ``bos_token`` or ``eos_token``: those become the tokenizer's ids (SentencePiece never reads
+        a control piece from text), and only those the template wrote, never a ``<s>`` in a
+        message. A text that cannot fit ``context`` tokens is returned as text, so its length is
+        refused for the price of reading it (``InferenceRunner._encode``), never of encoding it."""
+        marks, ids = {}, {}  # name -> its mark, mark -> its id
+        for name, i in (("bos_token", tokenizer.sp.bos_id()), ("eos_token", tokenizer.sp.eos_id())):
+            if i >= 0:
+                marks[name] = f"\x00{_MARK}{name}\x00"
+                ids[marks[name]] = i
+        text = self.render(messages, special_tokens=marks, **options)
+        if not any(mark in text for mark in ids):
+            return text
+        found = re.compile("|".join(re.escape(mark) for mark in ids))
+        plain = found.sub("", text)
+        if len(plain) >= context and tokenizer.min_tokens(plain) >= context:
+            return plain  # too long with or without its special tokens
+        out, start = [], 0
+        for match in found.finditer(text):
+            if start < match.start():
+                out += tokenizer.encode(text[start:match.start()])
+            out.append(ids[match.group()])
+            start = match.end()
+        if start < len(text):
+            out += tokenizer.encode(text[start:])
+        return out
+
+
+# what a template writes for bos_token and eos_token before they become ids (ChatTemplate.prompt):
+# random, so that no message can spell them
+_MARK = secrets.token_hex(16)

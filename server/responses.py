@@ -86,12 +86,22 @@ class CompletionShape:
 
 class ChatShape:
     """``chat.completion`` objects (``chat.completion.chunk`` streamed): the assistant's message,
-    and with ``logprobs`` each token's name, log-probability, bytes and alternatives."""
+    and with ``logprobs`` each token's name, log-probability, bytes and alternatives.
+
+    A forced tool call (``body.tool_calls()``, ``server.protocol.ToolCalls``) is answered as
+    OpenAI answers one: ``content`` null, ``tool_calls`` (each with an id of its own, its function's
+    name and its arguments as JSON text), finish reason "tool_calls" once every call is complete
+    ("length" or "stop" where a limit or a stop string cut it: its arguments as far as they got).
+    Streamed, a call's first delta has its ``index``, ``id``, ``type`` and name, the later ones
+    fragments of its arguments, which join to the whole response's."""
 
     def __init__(self, body, model: str, tokenizer: Tokenizer, usage: Callable[[], dict]):
         self.body, self.model, self.tokenizer, self.usage = body, model, tokenizer, usage
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         self.sent: dict[int, int] = {}
+        self.tools = body.tool_calls()
+        self.readers: dict[int, object] = {}  # choice -> its CallReader, streamed
+        self.call_ids: dict[tuple[int, int], str] = {}  # (choice, call) -> the call's id
 
     def _entry(self, token: int, logprob: float) -> dict:
         return {"token": self.tokenizer.token_name(token), "logprob": logprob,
@@ -104,23 +114,62 @@ class ChatShape:
                             for t, lp, tops in zip(choice.tokens[start:], choice.logprobs[start:],
                                                    choice.tops[start:])]}
 
+    def _call_id(self, choice: int, call: int) -> str:
+        return self.call_ids.setdefault((choice, call), f"call_{uuid.uuid4().hex[:24]}")
+
+    def _finish_reason(self, choice, reader) -> str | None:
+        if self.tools is not None and choice.finish_reason == "stop" and reader.complete:
+            return "tool_calls"
+        return choice.finish_reason
+
+    def _tool_deltas(self, choice, piece: str) -> list[dict]:
+        """The streamed entries of ``tool_calls`` for ``piece``: a call's first with its id, type
+        and name, then its arguments as they come."""
+        reader = self.readers.setdefault(choice.index, self.tools.reader())
+        out = []
+        for call, name, arguments in reader.feed(piece):
+            entry = {"index": call}
+            if name is not None:
+                entry.update(id=self._call_id(choice.index, call), type="function")
+            entry["function"] = {"name": name, "arguments": arguments} if name is not None else {"arguments": arguments}
+            out.append(entry)
+        return out
+
     def chunk(self, choice, piece: str, first: bool) -> dict:
         start = self.sent.get(choice.index, 0)
         self.sent[choice.index] = len(choice.tokens)
-        delta = {"role": "assistant", "content": piece} if first else {"content": piece}
-        if choice.done and not piece and not first:
-            delta = {}
+        finish_reason = choice.finish_reason
+        if self.tools is None:
+            delta = {"role": "assistant", "content": piece} if first else {"content": piece}
+            if choice.done and not piece and not first:
+                delta = {}
+        else:
+            calls = self._tool_deltas(choice, piece)
+            delta = {"role": "assistant", "content": None} if first else {}
+            if calls:
+                delta["tool_calls"] = calls
+            finish_reason = self._finish_reason(choice, self.readers[choice.index])
         out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                "choices": [{"index": choice.index, "delta": delta, "logprobs": self.logprobs(choice, start),
-                            "finish_reason": choice.finish_reason}]}
+                            "finish_reason": finish_reason}]}
         return {**out, "usage": self.usage()} if self.body.continuous_usage() else out
 
     def final(self) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "choices": [], "usage": self.usage()}
 
+    def _choice(self, c) -> dict:
+        if self.tools is None:
+            return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self.logprobs(c), "finish_reason": c.finish_reason}
+        reader = self.tools.reader()
+        reader.feed(c.text)
+        calls = [{"id": self._call_id(c.index, k), "type": "function", "function": {"name": name, "arguments": args}}
+                 for k, (name, args) in enumerate(reader.calls)]
+        message = {"role": "assistant", "content": None, **({"tool_calls": calls} if calls else {})}
+        return {"index": c.index, "message": message, "logprobs": self.logprobs(c),
+                "finish_reason": self._finish_reason(c, reader)}
+
     def response(self, choices) -> dict:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": self.logprobs(c), "finish_reason": c.finish_reason} for c in choices],
-                "usage": self.usage()}
+                "choices": [self._choice(c) for c in choices], "usage": self.usage()}

@@ -22,6 +22,7 @@ import pytest
 import uvicorn
 
 from runner import InferenceRunner, ModelRunner, Request
+from runner.grammar import COMPACT, _WHITESPACE as SPACED
 from server import Limits, Server
 from server.http import ShutdownHandle, uvicorn_config
 from tests.test_runner import CONFIG, params  # noqa: F401 (fixture)
@@ -566,7 +567,7 @@ SHIPPED_SCHEMAS = [
         "letters": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
             "type": "object", "properties": {"to": {"type": "string", "maxLength": 16}, "sealed": {"type": "boolean"}},
             "required": ["to", "sealed"], "additionalProperties": False}},
-        "income": {"anyOf": [{"type": "null"}, {"type": "number", "minimum": 0, "maximum": 10000}]}},
+        "income": {"anyOf": [{"type": "null"}, {"type": "integer", "minimum": 0, "maximum": 10000}]}},
      "required": ["letters", "income"], "additionalProperties": False},
     {"type": "object", "properties": {"married": {"type": "boolean"}, "to": {"type": "string", "pattern": "^Mr [A-Z][a-z]{1,10}$"}},
      "required": ["married", "to"], "additionalProperties": False},
@@ -840,7 +841,7 @@ def test_structured_output_on_both_endpoints_in_every_spelling(served, client):
         greedy = {"temperature": 0, "max_tokens": 50, **fields}
         r = _completion(live, **greedy).json()["choices"][0]
         want = runner.complete(Request(runner.tokenizer.encode("the house"), temperature=0.0, max_len=50,
-                                       json_schema=schema))
+                                       json_schema={**schema, "x-guidance": COMPACT}))
         assert r["text"] == want.text and r["finish_reason"] == want.finish_reason, fields
         if r["finish_reason"] == "stop":
             jsonschema.validate(json.loads(r["text"]), schema)
@@ -911,7 +912,8 @@ def test_an_object_of_many_optional_properties_is_served(served):
         r = _completion(live, prompt="The record, as JSON:", max_tokens=40, temperature=0, guided_json=schema)
         assert r.status_code == 200, r.text[:300]
         choice = r.json()["choices"][0]
-        want = runner.complete(Request("The record, as JSON:", temperature=0.0, max_len=40, json_schema=schema))
+        want = runner.complete(Request("The record, as JSON:", temperature=0.0, max_len=40,
+                                       json_schema={**schema, "x-guidance": COMPACT}))
         assert choice["text"] == want.text and choice["finish_reason"] == want.finish_reason
         if choice["finish_reason"] == "stop":
             jsonschema.validate(json.loads(choice["text"]), schema)
@@ -929,7 +931,7 @@ def test_a_schema_the_engine_gives_up_on_while_generating_fails_its_request_alon
     want = _completion(live, **neighbour).json()["choices"][0]["text"]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         beside = pool.submit(_completion, live, **neighbour)
-        r = _completion(live, max_tokens=30, temperature=0, guided_json=schema)
+        r = _completion(live, max_tokens=30, temperature=0, guided_json=schema, guided_whitespace_pattern=SPACED)
         assert beside.result().json()["choices"][0]["text"] == want
     assert r.status_code == 400, r.text[:300]
     error = r.json()["error"]
@@ -938,7 +940,8 @@ def test_a_schema_the_engine_gives_up_on_while_generating_fails_its_request_alon
         "Too many items" in error["message"], error
     with httpx.stream("POST", live.url + "/v1/completions", json={
             "model": MODEL, "prompt": "the house", "max_tokens": 30, "temperature": 0, "stream": True,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}) as s:
+            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+            "guided_whitespace_pattern": SPACED}) as s:
         assert s.status_code == 200
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     errors = [e["error"] for e in events if "error" in e]
