@@ -1,5 +1,5 @@
 """The original Grok-1 checkpoint layout: ``<dir>/ckpt-0/tensor{i:05d}_{shard:03d}``, one pickle per
-parameter, matched by position only (GROK1.md §2, §7).
+parameter, matched by position only (docs/grok1.md §2, §7).
 
 File ``i`` holds the i-th leaf of the reference's flattened parameter tree: the embedding, the final
 norm, then 12 leaves per layer with layers in *string* order of their names (0, 1, 10, 11, 2, ...).

@@ -17,7 +17,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 
 def ffn_size(emb_size: int, widening_factor: float) -> int:
-    """Hidden size of one expert, exactly as Grok-1 computes it (GROK1.md §3.8).
+    """Hidden size of one expert, exactly as Grok-1 computes it (docs/grok1.md §3.8).
 
     Two thirds of ``widening_factor * emb_size`` (GeGLU has two input matrices), rounded up to a
     multiple of 8: 32768 for Grok-1 (6144, 8), 344 for (64, 8).
@@ -46,7 +46,7 @@ class ModelConfig:
     pad_token: int = 0
     eos_token: int = 2
     bos_token: int = 1
-    # Grok-1 fixed constants (GROK1.md §1), kept as fields so they are visible and checkable.
+    # Grok-1 fixed constants (docs/grok1.md §1), kept as fields so they are visible and checkable.
     rms_norm_eps: float = 1e-5
     rope_base: float = 10000.0
     attn_logit_cap: float = 30.0
@@ -131,7 +131,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * vector
 
 
-# Grok-1 as published (GROK1.md §1, run.py of xai-org/grok-1).
+# Grok-1 as published (docs/grok1.md §1, run.py of xai-org/grok-1).
 GROK_1 = ModelConfig(
     vocab_size=131072,
     emb_size=6144,

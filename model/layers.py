@@ -1,4 +1,4 @@
-"""The layers of one Grok-1 decoder block, as Flax linen modules (GROK1.md §3.2–§3.6).
+"""The layers of one Grok-1 decoder block, as Flax linen modules (docs/grok1.md §3.2–§3.6).
 
 Parameter names and shapes follow the published Haiku tree exactly (``multi_head_attention/query/w``
 ``[D, N*H]``, ``moe/linear/w`` ``[E, D, F]``, ...), so a checkpoint maps onto it by name. Any weight
@@ -91,7 +91,7 @@ class RMSNorm(nn.Module):
 
 
 def rotary_embedding(x_BTnH, positions_BT, base: float):
-    """Rotate-half (GPT-NeoX layout) RoPE over the full head dim, phases in float32 (GROK1.md §3.4)."""
+    """Rotate-half (GPT-NeoX layout) RoPE over the full head dim, phases in float32 (docs/grok1.md §3.4)."""
     h = x_BTnH.shape[-1]
     inv_freq_h = 1.0 / base ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
     phase_BTh = positions_BT.astype(jnp.float32)[:, :, None] * inv_freq_h
@@ -150,7 +150,7 @@ class MultiHeadAttention(nn.Module):
 
 
 class MoELayer(nn.Module):
-    """Top-k mixture of GeGLU experts (GROK1.md §3.6).
+    """Top-k mixture of GeGLU experts (docs/grok1.md §3.6).
 
     Experts are ``down(gelu_tanh(x @ linear) * (x @ linear_v))`` with ``linear_1`` as ``down``; the
     output is ``sum_j gate_j * expert_{idx_j}(x)`` with the raw (not renormalised) top-k router
@@ -214,7 +214,7 @@ def moe(x_MD, gates_Mk, idx_Mk, weights, backend, dtype, valid_M=None):
 
 class DecoderLayer(nn.Module):
     """One block with Grok-1's sandwich norms: norm -> attention -> norm -> residual, then the same
-    around the MoE (GROK1.md §3.2). Intermediates are sown for parity tests."""
+    around the MoE (docs/grok1.md §3.2). Intermediates are sown for parity tests."""
 
     config: ModelConfig
     backend: object  # what runs the matmuls and the attention (a backends.Backend, passed in)

@@ -1,7 +1,7 @@
 """Logical axes to mesh axes: the rules table, and the activation constraints the layers apply.
 
 ``DEFAULT_RULES`` maps logical axes to the mesh axes ``data`` and ``model`` following Grok-1's own
-layout (GROK1.md §6). The layers pin their activations with ``constrain`` while an
+layout (docs/grok1.md §6). The layers pin their activations with ``constrain`` while an
 ``activation_sharding`` block is active; the parameters' specs are ``model.sharding``'s, from the
 axes each weight declares where the layers declare it.
 """
@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "model")
 
-# Grok-1's layout (GROK1.md §6). Values are a mesh axis, a tuple of mesh axes, or None.
+# Grok-1's layout (docs/grok1.md §6). Values are a mesh axis, a tuple of mesh axes, or None.
 DEFAULT_RULES: dict[str, object] = {
     "vocab": None,
     "embed_table": ("data", "model"),

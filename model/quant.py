@@ -2,7 +2,7 @@
 
 A quantized weight is an int8 tensor ``weight [..., K, N]`` and ``scales [..., G, N]``: symmetric,
 per output channel (N), with the contracting axis K optionally split into G equal groups, each with
-its own scale (GROK1.md §4). Its effective value is
+its own scale (docs/grok1.md §4). Its effective value is
 
     W[..., g*K/G:(g+1)*K/G, :] = weight[..., block g, :] * scales[..., g, :]
 
@@ -88,7 +88,7 @@ def quantize(w, *, groups: int = 1, scale_dtype=jnp.bfloat16) -> QuantizedWeight
     return QuantizedWeight8bit(weight=weight, scales=scales)
 
 
-# The weights Grok-1 ships in int8: the experts' and the attention projections' (GROK1.md §4)
+# The weights Grok-1 ships in int8: the experts' and the attention projections' (docs/grok1.md §4)
 QUANTIZABLE = re.compile(r"(.*/)?(moe/(linear|linear_v|linear_1)|multi_head_attention/(query|key|value|linear))/w")
 
 

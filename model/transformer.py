@@ -1,4 +1,4 @@
-"""The whole network: embedding, decoder layers, final norm, tied unembedding (GROK1.md §3).
+"""The whole network: embedding, decoder layers, final norm, tied unembedding (docs/grok1.md §3).
 
 ``forward(params, tokens, config, memory=..., lengths=...)`` is the pure function everything else
 calls; ``LanguageModel`` is the Flax module behind it. The parameter pytree mirrors Grok-1's Haiku

@@ -17,7 +17,7 @@ def test_grok1_parameter_count():
     counts = GROK_1.param_counts()
     assert abs(counts["moe"] - 309.24e9) / 309.24e9 < 1e-3
     assert abs(counts["attention"] - 5.64e9) / 5.64e9 < 1e-3
-    # 2 of 8 experts per token: about 83.8e9 active (GROK1.md §1)
+    # 2 of 8 experts per token: about 83.8e9 active (docs/grok1.md §1)
     assert abs(GROK_1.num_active_params - 83.8e9) / 83.8e9 < 2e-3
 
 

@@ -224,7 +224,7 @@ def test_every_backend_gives_the_same_logits_and_cache(tiny_params, name):
 
 
 def test_batch_above_one_with_int8_weights(tiny_params):
-    """The reference crashes here (GROK1.md §8.5); each row must equal its batch-1 run."""
+    """The reference crashes here (docs/grok1.md §8.5); each row must equal its batch-1 run."""
     qparams = quantize_params(tiny_params, groups=2)
     tokens = random_tokens(13, (4, 9))
     batched = np.asarray(forward(qparams, tokens, TINY, backend=XLA()).logits)

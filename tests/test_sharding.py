@@ -53,7 +53,7 @@ def flat_specs(tree):
 
 # ---- declared layouts ------------------------------------------------------------------------
 def test_golden_grok1_layout_on_a_1x8_mesh():
-    """GROK1.md §6's partition table, leaf by leaf, for the released int8 checkpoint's shapes."""
+    """docs/grok1.md §6's partition table, leaf by leaf, for the released int8 checkpoint's shapes."""
     mesh = jax.sharding.AbstractMesh((1, 8), ("data", "model"))
     specs = flat_specs(param_specs(abstract_params(GROK_1, quantized=True), mesh=mesh))
     grok1 = {

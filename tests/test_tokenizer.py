@@ -5,7 +5,7 @@ from tests.helpers import SHARED_DATA
 
 GROK_TOKENIZER = SHARED_DATA / "grok1-tokenizer.model"
 EXAMPLE = "The answer to life the universe and everything is of course"
-EXAMPLE_IDS = [422, 3033, 356, 1180, 333, 9072, 360, 2175, 391, 359, 1805]  # GROK1.md §10
+EXAMPLE_IDS = [422, 3033, 356, 1180, 333, 9072, 360, 2175, 391, 359, 1805]  # docs/grok1.md §10
 
 
 @pytest.fixture(scope="module")
