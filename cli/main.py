@@ -5,9 +5,15 @@ from __future__ import annotations
 import os
 import sys
 
-import cli
-
 SUBCOMMANDS = ("generate", "serve", "convert", "plan")
+USAGE = """grok-runner: serve and run Grok-1-style mixture-of-experts models with JAX.
+
+    grok-runner [generate] [--prompt TEXT] ...   stream continuations (the default subcommand)
+    grok-runner serve [--checkpoint DIR] ...     the OpenAI-compatible HTTP server
+    grok-runner convert SRC DST --config grok-1  an original Grok-1 checkpoint to the native format
+    grok-runner plan --preset grok-1 --mesh 1,8  the per-device memory plan
+
+Without --checkpoint, the model shipped with the package (austen-moe) is used."""
 
 
 def main(argv=None) -> int:
@@ -20,7 +26,7 @@ def main(argv=None) -> int:
     if command is not None:
         argv = argv[1:]
     elif argv[:1] in (["-h"], ["--help"]):
-        print(cli.__doc__.strip(), file=sys.stdout)
+        print(USAGE)
         print("\ngenerate's flags follow (grok-runner SUBCOMMAND --help for the others):\n")
     if "--plan" in argv and command is None:  # ``run.py --plan ...``, as before the subcommand
         argv = [a for a in argv if a != "--plan"]
