@@ -220,6 +220,11 @@ class InferenceRunner:
         prefix = self.engine.scheduler.prefix
         return (prefix.queries, prefix.hits) if prefix is not None else (0, 0)
 
+    def prefix_cache_usage(self) -> Optional[tuple[int, int]]:
+        """(blocks the prefix cache holds, blocks in its pool), or None without a prefix cache."""
+        prefix = self.engine.scheduler.prefix
+        return (len(prefix), prefix.num_blocks) if prefix is not None else None
+
     def usage(self) -> tuple[int, int, int, int]:
         """(running requests, waiting requests, KV positions they hold, positions the slots hold)."""
         return self.engine.counts() + self.engine.scheduler.kv_usage()

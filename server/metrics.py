@@ -139,10 +139,9 @@ class StatsLine:
         text = (f"Avg prompt throughput: {prompt_rate:.1f} tokens/s, Avg generation throughput: "
                 f"{generation_rate:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: "
                 f"{100 * held / available if available else 0.0:.1f}% ({running}/{self.runner.num_slots} slots)")
-        # the prefix cache's index (runner/prefix_cache.py): its length is the blocks it holds
-        prefix = getattr(self.runner.engine.scheduler, "prefix", None)
+        prefix = self.runner.prefix_cache_usage()
         if prefix is not None:
-            text += f", Prefix cache: {len(prefix)}/{prefix.num_blocks} blocks"
+            text += f", Prefix cache: {prefix[0]}/{prefix[1]} blocks"
             if queries:
                 text += f", {100 * hits / queries:.1f}% hit rate"
         active = bool(prompt or generated or running or waiting)
@@ -154,5 +153,9 @@ class StatsLine:
         """Log a line every ``interval`` seconds until cancelled."""
         while True:
             await asyncio.sleep(interval)
-            level, text = self.line()
+            try:
+                level, text = self.line()
+            except Exception:  # noqa: BLE001 - a bug here must not end the stats lines silently
+                log.exception("stats line")
+                continue
             log.log(level, "%s", text)

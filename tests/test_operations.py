@@ -188,15 +188,11 @@ def test_the_stats_line_reports_load_and_throughput_while_there_is_activity(ship
 def test_the_stats_line_by_hand():
     """Throughputs over the interval, KV use and the prefix cache's, with numbers set by hand."""
 
-    class Prefix:  # runner/prefix_cache.py's index: blocks held, blocks in the pool
-        num_blocks = 64
-
-        def __len__(self):
-            return 10
-
     class Runner:
         num_slots, counts, load = 4, (0, 0), (2, 1, 300, 1000)
-        engine = type("Engine", (), {"scheduler": type("Scheduler", (), {"prefix": Prefix()})()})()
+
+        def prefix_cache_usage(self):  # blocks the prefix cache holds, blocks in its pool
+            return 10, 64
 
         def usage(self):
             return self.load
