@@ -100,6 +100,18 @@ def fingerprint(*parts: str) -> str:
     return digest.hexdigest()[:24]
 
 
+def trusted(file: Path) -> None:
+    """A stored step is unpickled (jax's own serialisation is a pickle): only a file this user
+    wrote, in a directory only this user may write, as the kernels' library beside it is trusted
+    (``backends/cpu/build.py``). A checkpoint is never read this way. ``PermissionError`` otherwise."""
+    for path in (file, file.parent):
+        st = path.stat()
+        if hasattr(os, "getuid") and st.st_uid != os.getuid():
+            raise PermissionError(f"{path}: not owned by this user, not loaded")
+        if st.st_mode & 0o022:
+            raise PermissionError(f"{path}: writable by group or others, not loaded")
+
+
 class ExecutableStore:
     """Serialised executables of one fingerprint in ``directory/<fingerprint>/``."""
 
@@ -116,8 +128,12 @@ class ExecutableStore:
 
         file = self._file(name)
         try:
+            trusted(file)
             blob = file.read_bytes()
         except FileNotFoundError:
+            return None
+        except PermissionError as e:
+            log.warning("%s: compiling it", e)
             return None
         except OSError as e:
             log.warning("compiled step %s unreadable (%s): compiling it", file, e)
@@ -139,7 +155,7 @@ class ExecutableStore:
         try:
             payload, in_tree, out_tree = serialize(compiled)
             blob = pickle.dumps((name, payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)

@@ -152,3 +152,23 @@ def test_every_subcommand_shares_the_model_flags_and_checks_them_before_loading(
     assert done.returncode == 2 and "--preset" in done.stderr.strip().splitlines()[-1]
     done = command("serve", "--allowed-origins", "example.com")
     assert done.returncode == 2 and "argument --allowed-origins" in done.stderr
+
+
+def test_a_stored_compiled_step_is_loaded_only_from_files_this_user_alone_may_write(tmp_path):
+    """A compiled step is unpickled: a file or directory others may write is refused, and compiled again."""
+    import jax
+    import jax.numpy as jnp
+
+    from runner.executables import ExecutableStore
+
+    store = ExecutableStore(tmp_path, "key")
+    store.save("double", jax.jit(lambda x: 2 * x).lower(jnp.ones(3)).compile())
+    assert store.load("double") is not None
+    (file,) = store.path.glob("*.exe")
+    file.chmod(0o666)
+    assert store.load("double") is None
+    file.chmod(0o600)
+    store.path.chmod(0o777)
+    assert store.load("double") is None
+    store.path.chmod(0o700)
+    assert store.load("double") is not None
