@@ -29,7 +29,9 @@ class Backend:
     def grouped_matmul(self, x_RK, w, sizes_E, dtype):
         raise NotImplementedError
 
-    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float):
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperature_BT=None):
+        """Grok's capped attention; ``temperature_BT`` (float32, or None) multiplies each query's
+        capped logits (Grok-2's attention temperature)."""
         raise NotImplementedError
 
     def sampling_cut(self, scaled_BV, top_k_B, nucleus_p_B):

@@ -64,8 +64,8 @@ class XLA(Backend):
         return loop_grouped_matmul(x_RK.astype(dtype), lambda x, e: x @ expert(w, e).astype(dtype),
                                    sizes_E, w.shape[-1], dtype)
 
-    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap):
-        return attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap)
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None):
+        return attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT)
 
     def sampling_cut(self, scaled_BV, top_k_B, nucleus_p_B):
         return sorted_threshold(scaled_BV, top_k_B, nucleus_p_B)
@@ -120,22 +120,30 @@ def loop_grouped_matmul(x_RK, matmul, sizes_E, n: int, dtype):
 ATTENTION_BLOCK = 256  # query and key positions per block of a long chunk's attention
 
 
-def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float):
+def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperature_BT=None):
     """Grouped-query attention of queries ``q [B, T, N, H]`` (rotated) over the first S positions
     of keys and values ``[B, K, S_max, H]`` (float, or int8 records: ``positions``) where
     ``mask [B, T, S]`` allows: ``[B, T, N, H]`` in q's dtype. Grok-1: logits times ``scale``,
-    soft-capped at ``cap * tanh(x / cap)``, masked to -1e30, softmax in float32. A prompt chunk
-    over at least two blocks of keys is attended block by block (``attend_blocked``), skipping
-    the key blocks no query of a block may see."""
+    soft-capped at ``cap * tanh(x / cap)``, masked to -1e30, softmax in float32; Grok-2 then
+    multiplies each query's capped logits by its ``temperature_BT`` (float32; None: 1). A prompt
+    chunk over at least two blocks of keys is attended block by block (``attend_blocked``),
+    skipping the key blocks no query of a block may see."""
     t, s = q_BTNH.shape[1], mask_BTS.shape[-1]
     queries = min(t, ATTENTION_BLOCK)
     if t >= 16 and t % queries == 0 and s >= 2 * ATTENTION_BLOCK and s % ATTENTION_BLOCK == 0:
-        return attend_blocked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, queries)
-    return attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap)
+        return attend_blocked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, queries, temperature_BT=temperature_BT)
+    return attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT)
+
+
+def capped_logits(logits, scale: float, cap: float, temperature=None):
+    """Grok's attention logits from the raw dot products (float32): ``cap * tanh(x * scale / cap)``,
+    times a per-query temperature broadcast against them where one is given."""
+    logits = cap * jnp.tanh(logits * scale / cap)
+    return logits if temperature is None else logits * temperature
 
 
 def attend_blocked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, queries: int = ATTENTION_BLOCK,
-                   block: int = ATTENTION_BLOCK):
+                   block: int = ATTENTION_BLOCK, temperature_BT=None):
     """``attend_dense``, ``queries`` queries at a time over key blocks with a running softmax
     (FlashAttention's recurrence), each query block stopping after the last key block any of its
     queries may see: a prompt chunk's causal half, and the KV bucket past the rows' positions,
@@ -151,6 +159,8 @@ def attend_blocked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, q
     def query_block(i, out_BTKGH):
         q_BQKGH = jax.lax.dynamic_slice_in_dim(q_BTKGH, i * queries, queries, axis=1)
         mask_BQS = jax.lax.dynamic_slice_in_dim(mask_BTS, i * queries, queries, axis=1)
+        temp = None if temperature_BT is None else \
+            jax.lax.dynamic_slice_in_dim(temperature_BT, i * queries, queries, axis=1)[:, None, None, :, None]
         last = jnp.max(jnp.where(mask_BQS, positions_S, -1))  # the last key any query here sees
         blocks = jnp.maximum(last // block + 1, 1)
 
@@ -159,8 +169,8 @@ def attend_blocked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, q
             k_BKCH, v_BKCH = (positions(x, lambda a: jax.lax.dynamic_slice_in_dim(a, j * block, block, axis=2), dtype)
                               for x in (k_BKSH, v_BKSH))
             mask_BQC = jax.lax.dynamic_slice_in_dim(mask_BQS, j * block, block, axis=2)
-            logits = jnp.einsum("BQKGH,BKCH->BKGQC", q_BQKGH, k_BKCH).astype(jnp.float32) * scale
-            logits = cap * jnp.tanh(logits / cap)
+            logits = capped_logits(jnp.einsum("BQKGH,BKCH->BKGQC", q_BQKGH, k_BKCH).astype(jnp.float32),
+                                   scale, cap, temp)
             logits = jnp.where(mask_BQC[:, None, None], logits, _MASKED)
             m_new = jnp.maximum(m_BKGQ, jnp.max(logits, axis=-1))
             p = jnp.exp(logits - m_new[..., None])
@@ -186,7 +196,7 @@ def positions(cache, take, dtype):
     return jax.tree_util.tree_map(take, cache).astype(dtype)
 
 
-def attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float):
+def attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperature_BT=None):
     """``attend`` in one piece: every query against every key of the first S positions."""
     b, t, n, h = q_BTNH.shape
     s, dtype = mask_BTS.shape[-1], q_BTNH.dtype
@@ -196,8 +206,8 @@ def attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float):
     # GQA: query head j uses KV head j // g (contiguous groups of g query heads).
     q_BTKGH = q_BTNH.reshape(b, t, k, g, h)
     logits_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH).astype(jnp.float32)
-    logits_BKGTS = logits_BKGTS * scale
-    logits_BKGTS = cap * jnp.tanh(logits_BKGTS / cap)
+    logits_BKGTS = capped_logits(logits_BKGTS, scale, cap,
+                                 None if temperature_BT is None else temperature_BT[:, None, None, :, None])
     logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
     weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dtype)  # softmax in float32
     # per (row, KV head) a plain [G*T, S] @ [S, H] matmul; the small result is transposed after

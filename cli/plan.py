@@ -3,7 +3,10 @@ headers alone (nothing is loaded): weights by dtype, KV bytes a token and a slot
 ``--device-memory`` the largest batch at each context length.
 
     grok-runner plan --preset grok-1 --mesh 1,8 --device-memory 141
+    grok-runner plan --preset grok-2 --mesh 1,8 --device-memory 141 --kv-dtype int8
     grok-runner plan --checkpoint DIR --batch-size 16 --kv-dtype int8
+
+A preset's weights are planned as released: Grok-1's int8 (bf16 scales), Grok-2's bf16.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation dtype (default: the config's)")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8"], default=None,
                    help="what the KV cache holds (default: the activation dtype)")
+    p.add_argument("--weight-dtype", choices=["int8", "bfloat16", "float32"], default=None,
+                   help="a preset's weights (default: as released: Grok-1 int8, Grok-2 bfloat16)")
     return p
 
 
@@ -35,12 +40,17 @@ def plan(argv, prog: str) -> int:
     from checkpoints.restore import abstract_checkpoint
     from model import PRESETS
     from model.plan import abstract_params, memory_plan
+    import jax
+    import jax.numpy as jnp
 
     if args.preset:
         if args.preset not in PRESETS:
             p.error(f"argument --preset: expected one of {sorted(PRESETS)}, got {args.preset!r}")
         config = PRESETS[args.preset]
-        params = abstract_params(config, quantized=True)
+        weights = args.weight_dtype or ("int8" if config.variant == "grok-1" else "bfloat16")
+        params = abstract_params(config, quantized=weights == "int8")
+        if weights == "bfloat16":
+            params = jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.bfloat16), params)
     elif args.checkpoint:
         try:
             config, params = abstract_checkpoint(args.checkpoint, args.config)

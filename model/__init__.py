@@ -11,13 +11,13 @@ N q heads, K kv heads, G q heads per kv head, H key_size, F ffn, E experts, k se
 V vocab, M flattened tokens (B*T), R (token, expert slot) rows.
 """
 
-from model.config import GROK_1, GROK_1_REFERENCE_TINY, PRESETS, TINY, ModelConfig, ffn_size
+from model.config import GROK_1, GROK_1_REFERENCE_TINY, GROK_2, PRESETS, TINY, TINY_GROK2, ModelConfig, ffn_size
 from model.memory import KV_DTYPES, KVMemory, QuantizedKV, new_memory, quantize_kv
 from model.quant import QuantizedWeight8bit, dequantize, is_quantized, quantize
 from model.transformer import ForwardOutput, LanguageModel, forward, init_params
 
 __all__ = [
-    "GROK_1", "GROK_1_REFERENCE_TINY", "PRESETS", "TINY", "ModelConfig", "ffn_size",
+    "GROK_1", "GROK_1_REFERENCE_TINY", "GROK_2", "PRESETS", "TINY", "TINY_GROK2", "ModelConfig", "ffn_size",
     "KVMemory", "KV_DTYPES", "QuantizedKV", "quantize_kv", "new_memory",
     "QuantizedWeight8bit", "dequantize", "is_quantized", "quantize",
     "ForwardOutput", "LanguageModel", "forward", "init_params",

@@ -3,6 +3,11 @@
 Field names follow the published Grok-1 code (``emb_size``, ``key_size``, ``num_q_heads``, ...)
 so that a line here can be checked against it. Variants are made with ``dataclasses.replace``,
 never by mutation; every construction is validated in ``__post_init__``.
+
+One family: Grok-1 and Grok-2 are the same decoder, and every way Grok-2 differs is a field whose
+default is Grok-1's (docs/grok2.md): a shared dense MLP beside the experts, RoPE scaling, an
+attention temperature past a length, soft caps on the router and the final logits, and an
+output projection of its own. ``variant`` names which one a config is; the math reads the fields.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+VARIANTS = ("grok-1", "grok-2")
+# RoPE scalings (docs/grok2.md §3): none; YaRN's blend of interpolated and original frequencies,
+# linear ("yarn") or in log space ("yarn_log"), as sglang's ScalingRotaryEmbedding computes them
+ROPE_SCALINGS = ("none", "yarn", "yarn_log")
 
 
 def ffn_size(emb_size: int, widening_factor: float) -> int:
@@ -52,6 +61,29 @@ class ModelConfig:
     attn_logit_cap: float = 30.0
     # Activation dtype; softmax, norms, RoPE phases and the router always run in float32.
     fprop_dtype: str = "bfloat16"
+    # ---- the Grok family: Grok-1's values by default (docs/grok2.md) ----
+    variant: str = "grok-1"
+    # An expert's hidden size; 0: Grok-1's rule from widening_factor (``ffn_size``).
+    expert_ffn_size: int = 0
+    # A dense GeGLU MLP of this hidden size beside the experts, on the same normed input; the
+    # layer's feed-forward output is then (mlp + moe) / sqrt(2) (Grok-2's residual_moe). 0: none.
+    shared_ffn_size: int = 0
+    # Soft caps ``cap * tanh(x / cap)`` on the router's logits (before the softmax) and on the
+    # final logits (after output_multiplier_scale); 0: none.
+    router_logit_cap: float = 0.0
+    final_logit_cap: float = 0.0
+    # Attention logits of a query at position p > attn_temperature_len are multiplied by
+    # log2(p) / log2(attn_temperature_len), after the soft cap; 0: none.
+    attn_temperature_len: int = 0
+    # RoPE scaling (ROPE_SCALINGS): the frequencies for a context rope_scaling_factor times the
+    # original one (rope_original_context), blended between beta_fast and beta_slow rotations.
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 1.0
+    rope_original_context: int = 0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    # Grok-1 unembeds with the embedding table; False: an output table of its own (``lm_head``).
+    tie_embeddings: bool = True
 
     def __post_init__(self):
         positive = (
@@ -83,6 +115,33 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be a token id in [0, {self.vocab_size}), got {value!r}")
         if self.fprop_dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.fprop_dtype must be one of {sorted(_DTYPES)}, got {self.fprop_dtype!r}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"ModelConfig.variant must be one of {VARIANTS}, got {self.variant!r}")
+        for name in ("expert_ffn_size", "shared_ffn_size", "attn_temperature_len", "rope_original_context"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"ModelConfig.{name} must be an integer >= 0 (0: off), got {value!r}")
+        for name in ("router_logit_cap", "final_logit_cap"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"ModelConfig.{name} must be a finite number >= 0 (0: no cap), got {value!r}")
+        if self.attn_temperature_len == 1:
+            raise ValueError("ModelConfig.attn_temperature_len must be 0 (off) or at least 2 (it divides by its log2)")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"ModelConfig.rope_scaling must be one of {ROPE_SCALINGS}, got {self.rope_scaling!r}")
+        if self.rope_scaling != "none":
+            if not (isinstance(self.rope_scaling_factor, (int, float)) and math.isfinite(self.rope_scaling_factor)
+                    and self.rope_scaling_factor >= 1):
+                raise ValueError(f"ModelConfig.rope_scaling_factor must be a number >= 1, got {self.rope_scaling_factor!r}")
+            if self.rope_original_context <= 0:
+                raise ValueError(f"ModelConfig.rope_scaling {self.rope_scaling!r} needs rope_original_context > 0, "
+                                 f"got {self.rope_original_context!r}")
+            for name in ("rope_beta_fast", "rope_beta_slow"):
+                value = getattr(self, name)
+                if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                    raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"ModelConfig.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -92,7 +151,8 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        return ffn_size(self.emb_size, self.widening_factor)
+        """One expert's hidden size: ``expert_ffn_size``, else Grok-1's rule."""
+        return self.expert_ffn_size or ffn_size(self.emb_size, self.widening_factor)
 
     @property
     def q_per_kv(self) -> int:
@@ -104,13 +164,16 @@ class ModelConfig:
         d, h, f, e = self.emb_size, self.key_size, self.ffn_size, self.num_experts
         per_layer_attn = d * h * (2 * self.num_q_heads + 2 * self.num_kv_heads)
         per_layer_moe = 3 * e * d * f
-        return {
-            "embedding": self.vocab_size * d,
+        counts = {
+            "embedding": self.vocab_size * d * (1 if self.tie_embeddings else 2),
             "attention": self.num_layers * per_layer_attn,
             "moe": self.num_layers * per_layer_moe,
             "router": self.num_layers * d * e,
             "norms": self.num_layers * 4 * d + d,
         }
+        if self.shared_ffn_size:
+            counts["shared_mlp"] = self.num_layers * 3 * d * self.shared_ffn_size
+        return counts
 
     @property
     def num_params(self) -> int:
@@ -185,4 +248,58 @@ TINY = ModelConfig(
     fprop_dtype="float32",
 )
 
-PRESETS = {"grok-1": GROK_1, "grok-1-reference-tiny": GROK_1_REFERENCE_TINY, "tiny": TINY}
+# Grok-2 as released (xai-org/grok-2's config.json, as sglang reads it: docs/grok2.md). Its
+# config asks for rope_type "original" with a scaling factor of 16 over 8192 positions: sglang's
+# "original" keeps the unscaled frequencies, so RoPE is plain here too (the factor is recorded).
+GROK_2 = ModelConfig(
+    variant="grok-2",
+    vocab_size=131072,
+    emb_size=8192,
+    key_size=128,
+    num_q_heads=64,
+    num_kv_heads=8,
+    num_layers=64,
+    widening_factor=3,  # ffn_size(8192, 3) = 16384, its experts' moe_intermediate_size
+    shared_ffn_size=32768,
+    num_experts=8,
+    num_selected_experts=2,
+    sequence_len=131072,
+    embedding_multiplier_scale=90.50966799187809,
+    output_multiplier_scale=0.5,
+    attn_output_multiplier=0.08838834764831845,  # key_size ** -0.5
+    rope_base=208533496.0,
+    rope_original_context=8192,
+    rope_scaling_factor=16.0,
+    rope_beta_fast=8.0,
+    rope_beta_slow=1.0,
+    router_logit_cap=30.0,
+    final_logit_cap=50.0,
+    attn_temperature_len=1024,
+    tie_embeddings=False,
+    pad_token=0,
+    bos_token=1,
+    eos_token=2,
+)
+
+# A very small Grok-2 for tests: every Grok-2 field on, at sizes where each shows within 64
+# positions (temperature past 8, YaRN over an original context of 16) and the caps bite.
+TINY_GROK2 = dataclasses.replace(
+    TINY,
+    variant="grok-2",
+    widening_factor=1,  # experts of 24
+    shared_ffn_size=40,
+    rope_base=1000.0,
+    rope_scaling="yarn",
+    rope_scaling_factor=4.0,
+    rope_original_context=16,
+    rope_beta_fast=8.0,
+    rope_beta_slow=1.0,
+    router_logit_cap=2.0,
+    final_logit_cap=5.0,
+    attn_logit_cap=3.0,
+    attn_temperature_len=8,
+    tie_embeddings=False,
+)
+
+PRESETS = {"grok-1": GROK_1, "grok-1-reference-tiny": GROK_1_REFERENCE_TINY, "tiny": TINY,
+           "grok-2": GROK_2, "tiny-grok-2": TINY_GROK2}

@@ -90,15 +90,57 @@ class RMSNorm(nn.Module):
         return (scale.astype(jnp.float32) * x32 * jax.lax.rsqrt(ms + self.eps)).astype(x.dtype)
 
 
-def rotary_embedding(x_BTnH, positions_BT, base: float):
-    """Rotate-half (GPT-NeoX layout) RoPE over the full head dim, phases in float32 (docs/grok1.md §3.4)."""
+def yarn_correction_range(beta_fast: float, beta_slow: float, dim: int, base: float, context: int):
+    """The dimensions (pairs) between which YaRN blends: the one whose wavelength turns ``beta_fast``
+    times over the original ``context`` (floored) to the one that turns ``beta_slow`` times (ceiled),
+    clipped to ``[0, dim - 1]`` (docs/grok2.md §3; YaRN, arXiv 2309.00071, §3.2)."""
+    def dimension(rotations):
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    return max(math.floor(dimension(beta_fast)), 0), min(math.ceil(dimension(beta_slow)), dim - 1)
+
+
+def rope_frequencies(key_size: int, config: ModelConfig):
+    """RoPE's inverse frequencies ``[H/2]`` float32: ``1 / base^(2i/H)`` (Grok-1), or with
+    ``rope_scaling`` YaRN's blend of those and the interpolated ``1 / (factor * base^(2i/H))``:
+    the original frequency for the fast dimensions (below the correction range), the
+    interpolated one for the slow ones (above it), a linear ramp between; "yarn" blends the
+    frequencies, "yarn_log" their logarithms (docs/grok2.md §3)."""
+    h = key_size
+    powers_h = config.rope_base ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h)
+    original_h = 1.0 / powers_h
+    if config.rope_scaling == "none":
+        return original_h
+    low, high = yarn_correction_range(config.rope_beta_fast, config.rope_beta_slow, h, config.rope_base,
+                                      config.rope_original_context)
+    if low == high:
+        low -= 0.001  # no zero-width ramp
+    ramp_h = jnp.clip((jnp.arange(h // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    keep_h = 1 - ramp_h  # the weight of the original frequency
+    interpolated_h = 1.0 / (config.rope_scaling_factor * powers_h)
+    if config.rope_scaling == "yarn":
+        return interpolated_h * (1 - keep_h) + original_h * keep_h
+    return jnp.exp(jnp.log(original_h) * keep_h + jnp.log(interpolated_h) * (1 - keep_h))
+
+
+def rotary_embedding(x_BTnH, positions_BT, base: float, inv_freq_h=None):
+    """Rotate-half (GPT-NeoX layout) RoPE over the full head dim, phases in float32 (docs/grok1.md §3.4);
+    ``inv_freq_h`` (``rope_frequencies``) replaces ``1 / base^(2i/H)`` where given."""
     h = x_BTnH.shape[-1]
-    inv_freq_h = 1.0 / base ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
+    if inv_freq_h is None:
+        inv_freq_h = 1.0 / base ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
     phase_BTh = positions_BT.astype(jnp.float32)[:, :, None] * inv_freq_h
     phase_BTH = jnp.concatenate([phase_BTh, phase_BTh], axis=-1)[:, :, None, :]  # [B,T,1,H]
     x32 = x_BTnH.astype(jnp.float32)
     rotated = jnp.concatenate([-x32[..., h // 2:], x32[..., : h // 2]], axis=-1)
     return (x32 * jnp.cos(phase_BTH) + rotated * jnp.sin(phase_BTH)).astype(x_BTnH.dtype)
+
+
+def attention_temperature(positions_BT, length: int):
+    """Grok-2's factor on the capped attention logits of a query at position p: ``log2(p) /
+    log2(length)`` past ``length``, 1 up to it (docs/grok2.md §4). ``[B, T]`` float32."""
+    p_BT = positions_BT.astype(jnp.float32)
+    return jnp.where(positions_BT > length, jnp.log2(jnp.maximum(p_BT, 1.0)) / math.log2(length), 1.0)
 
 
 class MultiHeadAttention(nn.Module):
@@ -129,8 +171,9 @@ class MultiHeadAttention(nn.Module):
         v_BTKH = constrain(backend.matmul(x_BTD, Weight((d, k * h), ("embed", "kv_heads"), name="value")(), dtype).reshape(b, t, k, h),
                            ("batch", "seq", "act_kv_heads", "head_dim"))
         # The same positions (cache step + t) rotate queries and keys.
-        q_BTNH = rotary_embedding(q_BTNH, positions_BT, c.rope_base)
-        k_BTKH = rotary_embedding(k_BTKH, positions_BT, c.rope_base)
+        inv_freq_h = None if c.rope_scaling == "none" else rope_frequencies(h, c)
+        q_BTNH = rotary_embedding(q_BTNH, positions_BT, c.rope_base, inv_freq_h)
+        k_BTKH = rotary_embedding(k_BTKH, positions_BT, c.rope_base, inv_freq_h)
 
         if cache is not None:
             rows_BT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
@@ -144,7 +187,9 @@ class MultiHeadAttention(nn.Module):
         else:
             k_BKSH, v_BKSH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
 
-        out_BTNH = backend.attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, c.attn_output_multiplier, c.attn_logit_cap)
+        temperature_BT = attention_temperature(positions_BT, c.attn_temperature_len) if c.attn_temperature_len else None
+        out_BTNH = backend.attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, c.attn_output_multiplier, c.attn_logit_cap,
+                                     temperature_BT)
         out_BTD = backend.matmul(out_BTNH.reshape(b, t, n * h), wo, dtype)
         return out_BTD, cache
 
@@ -212,9 +257,26 @@ def moe(x_MD, gates_Mk, idx_Mk, weights, backend, dtype, valid_M=None):
     return jnp.zeros((m, d), jnp.float32).at[tok_R].add(y_RD)
 
 
+class DenseMLP(nn.Module):
+    """Grok-2's shared MLP beside the experts: the experts' GeGLU, ``linear_1(gelu_tanh(x @ linear)
+    * (x @ linear_v))``, dense, of hidden size ``shared_ffn_size`` (docs/grok2.md §2)."""
+
+    config: ModelConfig
+    backend: object
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        d, f, dtype, backend = self.config.emb_size, self.config.shared_ffn_size, x_BTD.dtype, self.backend
+        gate = backend.matmul(x_BTD, Weight((d, f), ("embed", "mlp"), name="linear")(), dtype)
+        up = backend.matmul(x_BTD, Weight((d, f), ("embed", "mlp"), name="linear_v")(), dtype)
+        return backend.matmul(jax.nn.gelu(gate, approximate=True) * up,
+                              Weight((f, d), ("mlp", "embed"), name="linear_1")(), dtype)
+
+
 class DecoderLayer(nn.Module):
     """One block with Grok-1's sandwich norms: norm -> attention -> norm -> residual, then the same
-    around the MoE (docs/grok1.md §3.2). Intermediates are sown for parity tests."""
+    around the MoE (docs/grok1.md §3.2); with ``shared_ffn_size``, around (mlp + moe) / sqrt(2)
+    (Grok-2, docs/grok2.md §2). Intermediates are sown for parity tests."""
 
     config: ModelConfig
     backend: object  # what runs the matmuls and the attention (a backends.Backend, passed in)
@@ -232,9 +294,16 @@ class DecoderLayer(nn.Module):
         # Router in float32: logits and softmax over all experts (Grok-1 keeps it float32).
         router_logits = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32),
                                    dequantize(w_router, jnp.float32))
+        if c.router_logit_cap:  # Grok-2: soft-capped before the softmax
+            router_logits = c.router_logit_cap * jnp.tanh(router_logits / c.router_logit_cap)
         probs_BTE = jax.nn.softmax(router_logits, axis=-1)
         self.sow("intermediates", "router_probs", probs_BTE)
         moe_BTD = MoELayer(c, self.backend, name="moe")(x_BTD, probs_BTE, valid_BT)
+        if c.shared_ffn_size:
+            mlp_BTD = DenseMLP(c, self.backend, name="mlp")(x_BTD)
+            self.sow("intermediates", "mlp_out", mlp_BTD)
+            moe_BTD = ((mlp_BTD.astype(jnp.float32) + moe_BTD.astype(jnp.float32))
+                       / math.sqrt(2)).astype(moe_BTD.dtype)
         self.sow("intermediates", "moe_out", moe_BTD)
         h_BTD = constrain(h_BTD + RMSNorm(c.rms_norm_eps, name="rms_norm_3")(moe_BTD), RESIDUAL)
         self.sow("intermediates", "h_out", h_BTD)

@@ -48,10 +48,11 @@ def make_mesh(shape: tuple[int, int] = (1, 1), devices=None) -> Mesh:
 @functools.lru_cache(maxsize=None)
 def _declared_axes() -> dict[str, tuple[str, ...]]:
     """Logical axes by path (every layer's under ``decoder_layer_0``), as the layers declare them."""
-    from model.config import TINY
+    from model.config import TINY_GROK2
     from model.transformer import declared_params
 
-    return {path: axes for path, (_, axes) in declared_params(TINY, num_layers=1).items()}
+    # the tiny Grok-2 declares every parameter any variant has (the shared MLP, the output table)
+    return {path: axes for path, (_, axes) in declared_params(TINY_GROK2, num_layers=1).items()}
 
 
 def logical_axes(path: str) -> tuple[str, ...]:

@@ -45,7 +45,8 @@ class InOutEmbed(nn.Module):
 
 
 class LanguageModelHead(nn.Module):
-    """Grok-1's ``language_model`` scope: the embedding table and the final norm."""
+    """Grok-1's ``language_model`` scope: the embedding table and the final norm; with untied
+    embeddings (Grok-2) also the output table ``lm_head/embeddings [V, D]``."""
 
     config: ModelConfig
     backend: object
@@ -53,6 +54,8 @@ class LanguageModelHead(nn.Module):
     def setup(self):
         self.in_out_embed = InOutEmbed(self.config.vocab_size, self.config.emb_size)
         self.rms_norm = RMSNorm(self.config.rms_norm_eps)
+        if not self.config.tie_embeddings:
+            self.lm_head = InOutEmbed(self.config.vocab_size, self.config.emb_size)
 
     def embed(self, tokens_BT):
         c = self.config
@@ -64,9 +67,13 @@ class LanguageModelHead(nn.Module):
     def unembed(self, h_BTD):
         c = self.config
         h_BTD = self.rms_norm(h_BTD)
-        logits_BTV = self.backend.unembed(h_BTD, self.in_out_embed.embeddings, c.dtype)
+        table = self.in_out_embed if c.tie_embeddings else self.lm_head
+        logits_BTV = self.backend.unembed(h_BTD, table.embeddings, c.dtype)
         logits_BTV = constrain(logits_BTV, ("batch", "seq", "act_vocab"))
-        return (logits_BTV * c.output_multiplier_scale).astype(jnp.float32)
+        logits_BTV = (logits_BTV * c.output_multiplier_scale).astype(jnp.float32)
+        if c.final_logit_cap:  # Grok-2 (docs/grok2.md §5), in float32
+            logits_BTV = c.final_logit_cap * jnp.tanh(logits_BTV / c.final_logit_cap)
+        return logits_BTV
 
 
 class Transformer(nn.Module):
@@ -113,7 +120,8 @@ def attention_mask(tokens_BT, lengths_B, pad_token: int, step_B=None, sequence_l
 
 
 class LanguageModel(nn.Module):
-    """Grok-1: scaled embedding -> decoder layers -> final norm -> tied unembedding x 0.577.
+    """Grok-1: scaled embedding -> decoder layers -> final norm -> tied unembedding x 0.577 (Grok-2:
+    its own output table, x 0.5, soft-capped at 50).
     ``backend`` (a ``backends.Backend``) runs the matmuls, the MoE's grouped matmuls and the
     attention; its parameters are the canonical ones or those of its ``prepare``."""
 
@@ -204,7 +212,7 @@ class _Shapes:
     def grouped_matmul(self, x_RK, w, sizes_E, dtype):
         return jnp.zeros(x_RK.shape[:-1] + w.shape[-1:], dtype)
 
-    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap):
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None):
         return jnp.zeros_like(q_BTNH)
 
 

@@ -89,9 +89,12 @@ class CPU(XLA):
                                        w.shape[-1], dtype)
         return super().grouped_matmul(x_RK, w, sizes_E, dtype)
 
-    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap):
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None):
         b, t, n, h = q_BTNH.shape
-        if "attention" in self.on and t == 1 and ops.decode_attention_fits(n, k_BKSH.shape[1], h):
+        # the decode kernel takes one scale and cap for every row; Grok-2's attention temperature
+        # (a factor per row) is XLA's (runner.selection leaves the kernel out for such a model)
+        if ("attention" in self.on and t == 1 and temperature_BT is None
+                and ops.decode_attention_fits(n, k_BKSH.shape[1], h)):
             # a decode step read in place from the caches (XLA copies the attended positions
             # first, and dequantises an int8 cache into a float copy)
             q_BNH = q_BTNH[:, 0].astype(jnp.float32)
@@ -101,7 +104,7 @@ class CPU(XLA):
             if k_BKSH.dtype == jnp.int8:  # an int8 record (model.memory.QuantizedKV)
                 out_BNH = ops.decode_attention_int8(q_BNH, k_BKSH, v_BKSH, mask_BTS[:, 0], scale, cap)
                 return out_BNH[:, None].astype(q_BTNH.dtype)
-        return attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap)
+        return attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT)
 
     def sampling_cut(self, scaled_BV, top_k_B, nucleus_p_B):
         if "sampling_cut" in self.on:
