@@ -176,15 +176,13 @@ def check_tokenizer(tokenizer_path: str | None, config: ModelConfig) -> None:
     """A tokenizer whose vocabulary differs from the model's is an error (a classic bug)."""
     if tokenizer_path is None:
         return
-    import sentencepiece as spm
+    from tokenization import load_tokenizer
 
     regular_file(tokenizer_path, "tokenizer")
     try:
-        sp = spm.SentencePieceProcessor(model_file=tokenizer_path)
-    except (OSError, RuntimeError) as e:
-        raise CheckpointError(f"{tokenizer_path}: not a SentencePiece model ({e})") from None
-    if sp.vocab_size() != config.vocab_size:
-        raise CheckpointError(f"{tokenizer_path}: tokenizer vocabulary has {sp.vocab_size()} pieces but "
+        tokenizer = load_tokenizer(tokenizer_path)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{tokenizer_path}: not a tokenizer this runner reads ({e})") from None
+    if tokenizer.vocab_size != config.vocab_size:
+        raise CheckpointError(f"{tokenizer_path}: tokenizer vocabulary has {tokenizer.vocab_size} pieces but "
                               f"the config's vocab_size is {config.vocab_size}")
-
-

@@ -4,7 +4,8 @@ optionally ``tokenizer.model``.
     <dir>/config.json                         ModelConfig fields + {"format": "grok1-jax-runner/1"}
     <dir>/model.safetensors.index.json        {"weight_map": {tensor name: file}}
     <dir>/model-00001-of-0000N.safetensors    tensors, <= max_shard_bytes per file
-    <dir>/tokenizer.model                     optional SentencePiece model
+    <dir>/tokenizer.model                     optional tokenizer: a SentencePiece model, or
+    <dir>/tokenizer.json, tokenizer.tok.json    a Hugging Face or Grok-2 (tiktoken) JSON one
 
 Tensor names are parameter paths (``transformer/decoder_layer_0/moe/linear/w``); an int8 weight is
 two tensors, ``.../w/weight`` (int8) and ``.../w/scales``. Every tensor keeps its stored dtype
@@ -34,7 +35,6 @@ from model.sharding import path_str
 FORMAT = "grok1-jax-runner/1"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
-TOKENIZER = "tokenizer.model"
 
 _ST_DTYPES = {
     np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
@@ -164,7 +164,22 @@ def save_tensors(directory: str, config: ModelConfig, tensors, *, tokenizer: str
     with open(os.path.join(directory, CONFIG), "w") as f:
         json.dump(config_to_json(config), f, indent=1)
     if tokenizer is not None:
-        with open(tokenizer, "rb") as src, open(os.path.join(directory, TOKENIZER), "wb") as dst:
+        copy_tokenizer(tokenizer, directory)
+
+
+def copy_tokenizer(path: str, directory: str) -> None:
+    """``path`` into ``directory`` under its kind's name (``tokenization.FILES``), with the
+    ``tokenizer_config.json`` beside a ``tokenizer.json`` (its BOS, EOS and chat template)."""
+    from tokenization import load_tokenizer
+
+    kind = load_tokenizer(path).kind
+    name = {"sentencepiece": "tokenizer.model", "tokenizer.json": "tokenizer.json",
+            "tiktoken": "tokenizer.tok.json"}[kind]
+    with open(path, "rb") as src, open(os.path.join(directory, name), "wb") as dst:
+        dst.write(src.read())
+    extra = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    if kind == "tokenizer.json" and os.path.isfile(extra):
+        with open(extra, "rb") as src, open(os.path.join(directory, "tokenizer_config.json"), "wb") as dst:
             dst.write(src.read())
 
 
@@ -293,5 +308,6 @@ def open_native(directory: str) -> tuple[ModelConfig, dict, str | None]:
     orphans = [n for n in tensors if n.endswith("/scales") and n[: -len("/scales")] not in params]
     if orphans:
         raise CheckpointError(f"{directory}: scales without an int8 weight: {orphans}")
-    tokenizer = os.path.join(directory, TOKENIZER)
-    return config, params, tokenizer if os.path.exists(tokenizer) else None
+    from tokenization import find_tokenizer
+
+    return config, params, find_tokenizer(directory)

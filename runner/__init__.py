@@ -18,7 +18,7 @@ from runner.runner import Completion, InferenceRunner, RunStream, default_pad_si
 from runner.sampling import SampleOutput, SampleSettings, sample_token
 from runner.scheduler import Scheduler
 from runner.state import DecodeState, PrefillBatch
-from runner.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenization import IncrementalDetokenizer, Tokenizer
 
 __all__ = [
     "Completion", "DecodeState", "Engine", "Executor", "IncrementalDetokenizer", "InferenceRunner", "ModelRunner",

@@ -255,34 +255,41 @@ def _byte_tokenizer() -> llguidance.LLTokenizer:
 class _Pieces:
     """The vocabulary as llguidance's ``TokenizerWrapper`` reads it: the bytes of every id.
 
-    Byte-fallback pieces (``<0xE2>``) are that byte, ``▁`` is a space, control and unknown pieces are
-    special (llguidance marks them with a leading 0xFF byte, so no text can produce them), and ids
-    past the tokenizer's pieces (a model vocabulary padded beyond it) are empty, never allowed.
+    A token's bytes are its text's (``tokenization.Tokenizer.token_bytes``: a byte-fallback piece
+    or a byte-level token is its byte, SentencePiece's ``▁`` a space); special tokens (and
+    SentencePiece's unknown piece) are special (llguidance marks them with a leading 0xFF byte,
+    so no text can produce them), and ids past the tokenizer's (a model vocabulary padded beyond
+    it) are empty, never allowed.
     """
 
-    def __init__(self, sp, vocab_size: int, eos_id: int):
-        self.sp = sp
+    def __init__(self, tokenizer, vocab_size: int, eos_id: int):
+        self.tokenizer = tokenizer
         self.eos_token_id = eos_id
-        self.bos_token_id = sp.bos_id() if sp.bos_id() >= 0 else None
-        self.tokens, self.special_token_ids = [], []
-        for i in range(sp.get_piece_size()):
-            piece = sp.id_to_piece(i)
-            if sp.is_control(i) or sp.is_unknown(i):
-                self.tokens.append(b"\xff" + piece.encode())
+        self.bos_token_id = tokenizer.bos_id if tokenizer.bos_id >= 0 else None
+        unknown = getattr(tokenizer, "is_unknown", lambda i: False)
+        self.tokens, self.special_token_ids, plain = [], [], []
+        for i in range(tokenizer.vocab_size):
+            if tokenizer.is_special(i) or unknown(i):
+                self.tokens.append(b"\xff" + tokenizer.special_text(i).encode()
+                                   if tokenizer.is_special(i) else b"\xff" + bytes(tokenizer.token_bytes(i)))
                 self.special_token_ids.append(i)
-            elif sp.is_byte(i):
-                self.tokens.append(bytes([int(piece[3:5], 16)]))
             else:
-                self.tokens.append(piece.replace("\u2581", " ").encode())
+                self.tokens.append(bytes(tokenizer.token_bytes(i)))
+                plain.append(i)
         self.tokens += [b""] * (vocab_size - len(self.tokens))
-        self.piece_of = {}  # bytes -> the first normal piece spelling them
-        for i in range(sp.get_piece_size()):
-            if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i)):
+        byte_ids = tokenizer.byte_ids()
+        if byte_ids is None:
+            raise ValueError("structured output needs a tokenizer that spells every byte (byte fallback pieces "
+                             "<0x00>..<0xFF>, or a byte-level BPE)")
+        self.byte_ids = byte_ids
+        single = set(byte_ids)
+        self.piece_of = {}  # bytes -> the first normal piece spelling them (not a lone byte's id)
+        for i in plain:
+            if i not in single or len(self.tokens[i]) != 1:
                 self.piece_of.setdefault(self.tokens[i], i)
-        self.byte_ids = [sp.piece_to_id(f"<0x{b:02X}>") for b in range(256)]
-        if not all(sp.is_byte(i) for i in self.byte_ids):
-            raise ValueError("structured output needs a tokenizer with byte fallback (pieces <0x00>..<0xFF>)")
-        self.dummy_prefix = self._bytes(sp.encode("x")) == b" x"  # Grok-1's tokenizer: yes
+        for b, i in enumerate(byte_ids):
+            self.piece_of.setdefault(bytes([b]), i)
+        self.dummy_prefix = self._bytes(tokenizer.encode("x")) == b" x"  # Grok-1's tokenizer: yes
 
     def _bytes(self, ids) -> bytes:
         return b"".join(self.tokens[i] for i in ids)
@@ -296,7 +303,7 @@ class _Pieces:
         """
         if not isinstance(text, str):
             raise TypeError("tokenize text, not bytes")  # TokenizerWrapper then passes str
-        data, ids = text.encode(), self.sp.encode(text)
+        data, ids = text.encode(), self.tokenizer.encode(text)
         if self.dummy_prefix and ids and self._bytes(ids) == b" " + data:
             first = self.tokens[ids[0]][1:]  # the first piece without the prefix space
             ids = self._spell(first) + ids[1:]
@@ -326,14 +333,14 @@ class TokenGrammar:
     """llguidance's view of one tokenizer and model vocabulary, and the grammars compiled for it."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_id: int):
-        sp = tokenizer.sp
-        if vocab_size < sp.get_piece_size():
-            raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {sp.get_piece_size()} pieces")
-        if not 0 <= eos_id < sp.get_piece_size():
-            raise ValueError(f"eos_id {eos_id} is not a tokenizer piece (0..{sp.get_piece_size() - 1})")
+        size = tokenizer.vocab_size
+        if vocab_size < size:
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {size} pieces")
+        if not 0 <= eos_id < size:
+            raise ValueError(f"eos_id {eos_id} is not a tokenizer piece (0..{size - 1})")
         self.vocab_size, self.eos_id = vocab_size, eos_id
         self.num_words = num_mask_words(vocab_size)
-        self.pieces = _Pieces(sp, vocab_size, eos_id)
+        self.pieces = _Pieces(tokenizer, vocab_size, eos_id)
         wrapper = llguidance.TokenizerWrapper(self.pieces)
         self.ll_tokenizer = llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos_id)
         self._compiled: collections.OrderedDict[tuple, CompiledGrammar] = collections.OrderedDict()
@@ -467,7 +474,7 @@ def for_tokenizer(tokenizer, vocab_size: int) -> TokenGrammar:
     key = (os.path.realpath(tokenizer.path), vocab_size)
     with _TOKEN_GRAMMARS_LOCK:
         if key not in _TOKEN_GRAMMARS:
-            _TOKEN_GRAMMARS[key] = TokenGrammar(tokenizer, vocab_size, tokenizer.sp.eos_id())
+            _TOKEN_GRAMMARS[key] = TokenGrammar(tokenizer, vocab_size, tokenizer.eos_id)
         return _TOKEN_GRAMMARS[key]
 
 

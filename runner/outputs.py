@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from runner.requests import PromptLogprob, Request, RequestError, TokenEvent
 from runner.scheduler import RequestState
 from runner.stops import StopMatcher
-from runner.tokenizer import IncrementalDetokenizer
+from tokenization import IncrementalDetokenizer
 
 
 def finish_reason(token: int, request: Request, eos_token: int) -> str:

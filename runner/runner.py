@@ -35,7 +35,7 @@ from runner.requests import MAX_SPECULATIVE, Request, TokenEvent
 from runner.scheduler import Scheduler, chunk_lengths
 from runner.startup import Startup
 from runner.state import MAX_STOP_IDS
-from runner.tokenizer import Tokenizer
+from tokenization import Tokenizer, load_tokenizer
 
 # Tokens a round may compute (prompt chunks + one per decoding slot) unless the runner is told
 # otherwise: large enough that a chunk's time goes to its tokens, not to reading the weights;
@@ -378,7 +378,7 @@ def _build_engine(spec: InferenceRunner, startup: Startup) -> Engine:
         identity = repr((config, spec.runner.checkpoint_path)).encode()  # blocks of one model
         prefix = PrefixCache(executor.prefix_blocks, size, identity)
     path = spec.tokenizer_path or executor.tokenizer_path
-    tokenizer = Tokenizer(path) if path is not None else None
+    tokenizer = load_tokenizer(path) if path is not None else None
     if tokenizer is not None and tokenizer.vocab_size != config.vocab_size:
         raise ValueError(f"tokenizer {path} has {tokenizer.vocab_size} pieces but the model's "
                          f"vocab_size is {config.vocab_size}")

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from runner.tokenizer import Tokenizer
+from tokenization import Tokenizer
 
 
 class CompletionShape:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from runner import Request, sample_from_model
-from runner.tokenizer import IncrementalDetokenizer
+from tokenization import IncrementalDetokenizer
 from tests.test_runner import CONFIG, greedy_reference, params, prompt_ids, runner  # noqa: F401 (fixtures)
 
 

@@ -29,7 +29,7 @@ def test_heldout_loss_matches_the_model_card(metrics):
 
 def test_tokenizer_vocabulary_equals_the_config():
     from checkpoints.native import open_native
-    from runner import Tokenizer
+    from tokenization import SentencePieceTokenizer as Tokenizer
 
     config, _, tokenizer = open_native(str(DEFAULT))
     assert tokenizer is not None and Tokenizer(tokenizer).vocab_size == config.vocab_size

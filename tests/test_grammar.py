@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from runner import grammar
-from runner.tokenizer import Tokenizer
+from tokenization import SentencePieceTokenizer as Tokenizer
 from tests.helpers import REPO, SHARED_DATA
 
 AUSTEN_TOKENIZER = REPO / "checkpoints" / "austen-moe" / "tokenizer.model"
@@ -140,7 +140,7 @@ def test_random_walks_with_the_grok1_tokenizer():
     tokenizer, token_grammar = load(GROK_TOKENIZER)
     # llguidance allows only this tokenization of the bytes a grammar forces (a key, an enum value),
     # so it must spell exactly them, without the dummy prefix's space
-    pieces = grammar._Pieces(tokenizer.sp, token_grammar.vocab_size, token_grammar.eos_id)
+    pieces = grammar._Pieces(tokenizer, token_grammar.vocab_size, token_grammar.eos_id)
     for text in ['{"name": "', "roine\"", ' "', "city", "ü", "\n  "]:
         assert b"".join(pieces.tokens[i] for i in pieces(text)) == text.encode()
     assert not any(tokenizer.sp.is_byte(i) for i in pieces('{"name": "')), "whole pieces, not bytes"

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("backends", "bench", "checkpoints", "cli", "model", "runner", "server", "train")
+PACKAGES = ("backends", "bench", "checkpoints", "cli", "model", "runner", "server", "tokenization", "train")
 
 
 def module_name(path: Path) -> str:

@@ -100,7 +100,7 @@ def test_int8_logits_on_the_reference_fixture_stay_within_measured_bounds(refere
 def shipped():
     from checkpoints import restore
     from runner.runner import default_checkpoint
-    from runner.tokenizer import Tokenizer
+    from tokenization import SentencePieceTokenizer as Tokenizer
 
     restored = restore(default_checkpoint(), dequantize=True, dtype=np.float32)
     return restored.config, restored.params, Tokenizer(restored.tokenizer_path)

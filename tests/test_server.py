@@ -602,7 +602,7 @@ def test_two_processes_behind_one_server(test_tokenizer):
     against two: ``test_sharding``'s two-process test, with -m slow.)"""
     from backends import XLA
     from model import forward
-    from runner.tokenizer import Tokenizer
+    from tokenization import SentencePieceTokenizer as Tokenizer
     from tests.test_sharding import REPO, free_port
 
     port, http_port = str(free_port()), free_port()

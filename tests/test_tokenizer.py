@@ -1,6 +1,6 @@
 import pytest
 
-from runner import IncrementalDetokenizer, Tokenizer
+from tokenization import IncrementalDetokenizer, SentencePieceTokenizer as Tokenizer
 from tests.helpers import SHARED_DATA
 
 GROK_TOKENIZER = SHARED_DATA / "grok1-tokenizer.model"

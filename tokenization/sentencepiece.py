@@ -1,11 +1,4 @@
-"""SentencePiece tokenization and incremental detokenization for streaming.
-
-Decoding a stream token by token is subtle: SentencePiece drops the leading space of the first
-piece it decodes, and a character split over several byte-fallback pieces (``<0xE2>`` ``<0x80>``
-``<0x99>``) decodes to U+FFFD until its last byte arrives. ``IncrementalDetokenizer`` therefore
-decodes a short window that starts a few tokens back (so the space is kept) and holds text back
-while it ends in an incomplete character, emitting exactly the new suffix each time.
-"""
+"""SentencePiece models (``tokenizer.model``): Grok-1's tokenizer and the shipped model's."""
 
 from __future__ import annotations
 
@@ -16,11 +9,13 @@ from typing import Optional
 
 import sentencepiece as spm
 
-_REPLACEMENT = "\ufffd"
+from tokenization.base import Tokenizer
 
 
-class Tokenizer:
+class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece model; ``encode`` adds no BOS, as Grok-1's runner."""
+
+    kind = "sentencepiece"
 
     def __init__(self, path: str):
         if not os.path.isfile(path):
@@ -34,6 +29,27 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.sp.vocab_size()
+
+    @property
+    def bos_id(self) -> int:
+        return self.sp.bos_id()
+
+    @property
+    def eos_id(self) -> int:
+        return self.sp.eos_id()
+
+    def is_special(self, token: int) -> bool:
+        return self.sp.is_control(int(token))
+
+    def is_unknown(self, token: int) -> bool:
+        return self.sp.is_unknown(int(token))
+
+    def special_text(self, token: int) -> str:
+        return self.sp.id_to_piece(int(token))
+
+    def byte_ids(self) -> list[int] | None:
+        ids = [self.sp.piece_to_id(f"<0x{b:02X}>") for b in range(256)]
+        return ids if all(self.sp.is_byte(i) for i in ids) else None
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
@@ -80,39 +96,3 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         return self.sp.decode([int(i) for i in ids])
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas that concatenate to the full text."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids, context: int = 5, skip_special_tokens: bool = True):
-        self.tokenizer, self.context = tokenizer, context
-        self.ids = list(prompt_ids[-context:])
-        self.prefix_offset = 0  # window start
-        self.read_offset = len(self.ids)  # text up to here has been emitted
-        self.keep_special = not skip_special_tokens  # control tokens (</s>...) as their pieces
-
-    def add(self, token_id: int) -> str:
-        if self.keep_special and self.tokenizer.sp.is_control(int(token_id)):
-            # SentencePiece decodes a control token to nothing: its piece goes out as it is, after
-            # whatever was held back, and the window goes on past it
-            text = self.flush() + self.tokenizer.sp.id_to_piece(int(token_id))
-            self.ids.append(int(token_id))
-            self.read_offset = len(self.ids)
-            self.prefix_offset = max(0, self.read_offset - self.context)
-            return text
-        self.ids.append(int(token_id))
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if text.endswith(_REPLACEMENT) or len(text) <= len(prefix):
-            return ""  # an incomplete character (or nothing printable yet): wait for more bytes
-        delta = text[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return delta
-
-    def flush(self) -> str:
-        """Whatever is still held back (an incomplete character at the very end)."""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return text[len(prefix):] if len(text) > len(prefix) else ""

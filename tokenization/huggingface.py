@@ -1,0 +1,116 @@
+"""Hugging Face ``tokenizer.json`` files, read by the ``tokenizers`` library (the file's own
+runtime: its normalizers, pre-tokenizers and models are many, and reimplementing them would be
+a second, drifting copy). Byte-level BPE vocabularies (GPT-2's byte-to-character alphabet) and
+SentencePiece-style ones (``▁`` for a space, ``<0xE2>`` byte fallback) both spell their tokens'
+bytes here; ``tokenizer_config.json`` beside the file names BOS and EOS where it exists."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+
+from tokenization.base import Tokenizer
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character standing for each byte in a token's string."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    kind = "tokenizer.json"
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as Backend
+
+        if not os.path.isfile(path):
+            raise ValueError(f"tokenizer file {path!r} does not exist")
+        self.path = path
+        try:
+            self.backend = Backend.from_file(path)
+        except Exception as e:  # the library raises its own exception types
+            raise ValueError(f"{path}: not a Hugging Face tokenizer.json ({str(e)[:200]})") from None
+        with open(path, "rb") as f:
+            spec = json.loads(f.read())
+        self.byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer")) or \
+            "ByteLevel" in json.dumps(spec.get("decoder"))
+        self.normalizes = spec.get("normalizer") is not None
+        self.specials = {int(i): t.content for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        self._bos, self._eos = self._named_ids(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
+
+    def _named_ids(self, config_path: str) -> tuple[int, int]:
+        if not os.path.isfile(config_path):
+            return -1, -1
+        try:
+            with open(config_path, "rb") as f:
+                config = json.loads(f.read())
+        except (OSError, ValueError):
+            raise ValueError(f"{config_path}: not valid JSON") from None
+        ids = []
+        for key in ("bos_token", "eos_token"):
+            name = config.get(key) if isinstance(config, dict) else None
+            name = name.get("content") if isinstance(name, dict) else name
+            token = self.backend.token_to_id(name) if isinstance(name, str) else None
+            ids.append(-1 if token is None else token)
+        return ids[0], ids[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_id(self) -> int:
+        return self._bos
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def is_special(self, token: int) -> bool:
+        return int(token) in self.specials
+
+    def special_text(self, token: int) -> str:
+        return self.specials[int(token)]
+
+    def token_bytes(self, token: int) -> list[int]:
+        piece = self.backend.id_to_token(int(token))
+        if piece is None:
+            return []
+        if self.is_special(token):
+            return list(piece.encode())
+        if self.byte_level:
+            alphabet = _byte_alphabet()
+            if all(c in alphabet for c in piece):
+                return [alphabet[c] for c in piece]
+            return list(piece.encode())  # an added token written as text
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        return [int(byte.group(1), 16)] if byte else list(piece.replace("\u2581", " ").encode())
+
+    def byte_ids(self) -> list[int] | None:
+        if self.byte_level:
+            alphabet = {b: c for c, b in _byte_alphabet().items()}
+            ids = [self.backend.token_to_id(alphabet[b]) for b in range(256)]
+        else:
+            ids = [self.backend.token_to_id(f"<0x{b:02X}>") for b in range(256)]
+        return ids if all(i is not None for i in ids) else None
+
+    def min_tokens(self, text: str) -> int:
+        return 0 if self.normalizes else super().min_tokens(text)  # a normalizer may rewrite the text
