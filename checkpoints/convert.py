@@ -1,10 +1,12 @@
-"""Convert an original Grok-1 checkpoint to the native format, streaming tensor by tensor.
+"""Convert a checkpoint to the native format, streaming tensor by tensor.
 
-    grok-runner convert SRC DST --config PRESET|JSON [--tokenizer tokenizer.model]   (cli/convert.py)
+    grok-runner convert SRC DST [--config PRESET|JSON] [--tokenizer FILE]   (cli/convert.py)
 
-SRC holds ``ckpt-0/tensor*_000`` (never unpickled: see checkpoints/safe_pickle.py); DST receives
-``config.json``, safetensors shards and, with ``--tokenizer``, ``tokenizer.model``. Every tensor's
-name, shape and dtype is checked against the config before a byte is written.
+SRC is any layout ``checkpoints.restore.inspect`` reads: an original Grok-1 ``ckpt-0/`` (never
+unpickled: see checkpoints/safe_pickle.py; it needs ``--config``), a Hugging Face directory of
+Grok-1 or Grok-2 (transposed, stacked and joined as it is read), or a native one. DST receives
+``config.json``, safetensors shards and the tokenizer. Every tensor's name, shape and dtype is
+checked against the config before a byte is written.
 """
 
 from __future__ import annotations
@@ -12,18 +14,17 @@ from __future__ import annotations
 import numpy as np
 from tqdm import tqdm
 
-from checkpoints.grok1_layout import open_original
 from checkpoints.lazy import LazyQuantized
 from checkpoints.native import save_tensors
-from checkpoints.materialize import check_sources, check_tokenizer, resolve_config
+from checkpoints.restore import inspect
 
 
-def convert(src: str, dst: str, config, *, tokenizer: str | None = None, shard: int = 0,
+def convert(src: str, dst: str, config=None, *, tokenizer: str | None = None, shard: int = 0,
             max_shard_bytes: int = 2 << 30, progress: bool = True) -> None:
-    config = resolve_config(config)
-    sources = open_original(src, config, shard)
-    check_sources(sources, config)
-    check_tokenizer(tokenizer, config)
+    """``src`` (any layout) written to ``dst`` in the native format, with its tokenizer
+    (``tokenizer``, else the one ``inspect`` finds), every check made before a byte is written."""
+    inspected = inspect(src, config, tokenizer, shard=shard)
+    config, sources, tokenizer = inspected.config, inspected.sources, inspected.tokenizer_path
     entries = []
     for name, source in sources.items():
         parts = ([(name + "/weight", source.weight), (name + "/scales", source.scales)]

@@ -65,3 +65,78 @@ def dequantized_slice(q: LazyQuantized, index: tuple, dtype) -> np.ndarray:
     scales = q.scales.read(index[:-2] + (slice(g0, g1), index[-1])).astype(np.float32)
     expanded = np.take(scales, group_of_row - g0, axis=-2)  # [..., rows, N]
     return (weight * expanded).astype(dtype)
+
+
+# ---- views: one tensor of the model from tensors of a file, read slice by slice -------------------
+def _bounds(index: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``index`` (slices with step 1, as ``jax.make_array_from_callback`` passes) as (start, stop)
+    per dimension."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    bounds = []
+    for s, n in zip(index, shape):
+        if not isinstance(s, slice):
+            raise TypeError(f"a lazy view reads slices, not {type(s).__name__}")
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError("a lazy view reads contiguous slices")
+        bounds.append((start, max(start, stop)))
+    return bounds
+
+
+def transposed(t: LazyTensor) -> LazyTensor:
+    """A 2-D tensor stored ``[out, in]`` (PyTorch's Linear) as ``[in, out]``."""
+    if len(t.shape) != 2:
+        raise ValueError(f"{t.source}: only a matrix can be transposed, got shape {t.shape}")
+
+    def read_slice(index):
+        (r0, r1), (c0, c1) = _bounds(index, t.shape[::-1])
+        return t.read((slice(c0, c1), slice(r0, r1))).T
+
+    return LazyTensor(f"{t.source} (transposed)", t.shape[::-1], t.dtype, read_slice)
+
+
+def stacked(parts: list[LazyTensor], source: str) -> LazyTensor:
+    """Equal tensors stacked on a new leading axis (one expert each): ``[len(parts), *shape]``."""
+    shape, dtype = parts[0].shape, np.dtype(parts[0].dtype)
+    for p in parts[1:]:
+        if p.shape != shape or np.dtype(p.dtype) != dtype:
+            raise ValueError(f"{p.source}: shape {p.shape} {np.dtype(p.dtype)} differs from {parts[0].source}'s "
+                             f"{shape} {dtype}")
+
+    def read_slice(index):
+        (e0, e1), *rest = _bounds(index, (len(parts), *shape))
+        rest = tuple(slice(a, b) for a, b in rest)
+        if e1 <= e0:
+            return np.zeros((0, *(b - a for a, b in _bounds(rest, shape))), dtype)
+        return np.stack([parts[e].read(rest) for e in range(e0, e1)])
+
+    return LazyTensor(source, (len(parts), *shape), dtype, read_slice)
+
+
+def concatenated(parts: list[LazyTensor], axis: int, source: str) -> LazyTensor:
+    """Tensors joined along ``axis`` (the shards of a tensor split for tensor parallelism); each
+    read takes only the shards its slice overlaps."""
+    first = parts[0]
+    ndim, dtype = len(first.shape), np.dtype(first.dtype)
+    axis = axis % ndim
+    for p in parts[1:]:
+        if (len(p.shape) != ndim or np.dtype(p.dtype) != dtype
+                or p.shape[:axis] + p.shape[axis + 1:] != first.shape[:axis] + first.shape[axis + 1:]):
+            raise ValueError(f"{p.source}: shard of shape {p.shape} {np.dtype(p.dtype)} does not join "
+                             f"{first.source}'s {first.shape} {dtype} along axis {axis}")
+    starts = np.cumsum([0] + [p.shape[axis] for p in parts]).tolist()
+    shape = first.shape[:axis] + (starts[-1],) + first.shape[axis + 1:]
+
+    def read_slice(index):
+        bounds = _bounds(index, shape)
+        a0, a1 = bounds[axis]
+        pieces = []
+        for p, s0, s1 in zip(parts, starts, starts[1:]):
+            lo, hi = max(a0, s0), min(a1, s1)
+            if lo < hi or (a0 == a1 and not pieces):
+                local = [slice(a, b) for a, b in bounds]
+                local[axis] = slice(lo - s0, max(lo, hi) - s0)
+                pieces.append(p.read(tuple(local)))
+        return np.concatenate(pieces, axis=axis) if len(pieces) > 1 else pieces[0]
+
+    return LazyTensor(source, shape, dtype, read_slice)

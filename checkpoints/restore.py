@@ -1,8 +1,10 @@
 """Restore parameters onto a mesh: each device reads only its own slice of each tensor.
 
-``restore(dir, mesh=..., dtype=...)`` opens a native checkpoint (``config.json``) or an original
-Grok-1 one (``ckpt-0/``, with ``config=`` a preset name, a JSON file or a ``ModelConfig``): the
-format dispatch. The tensors are checked and placed by ``checkpoints.materialize``.
+``restore(dir, mesh=..., dtype=...)`` opens a native checkpoint (``config.json`` of this
+project's format), a Hugging Face directory of a Grok model (``config.json`` in Hugging Face's
+terms: ``checkpoints.hf_layout``) or an original Grok-1 one (``ckpt-0/``, with ``config=`` a preset
+name, a JSON file or a ``ModelConfig``): the format dispatch. The tensors are checked and placed
+by ``checkpoints.materialize``.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import os
 from jax.sharding import Mesh
 
 from checkpoints.grok1_layout import open_original
+from checkpoints.hf_layout import config_from_hf, is_hf_config, open_hf
 from checkpoints.materialize import (_nest, _placeholder, check_sources, check_tokenizer, config_differences,
                                      materialize, resolve_config)
-from checkpoints.native import CONFIG, open_native
+from checkpoints.native import CONFIG, FORMAT, open_native, read_json
 from checkpoints.safe_pickle import CheckpointError
 from model.config import ModelConfig
 
@@ -44,7 +47,7 @@ def find_tokenizer(directory: str) -> str | None:
 
 @dataclasses.dataclass
 class Inspected:
-    """What a checkpoint is, read from its headers alone: its layout ("native" or "original"), its
+    """What a checkpoint is, read from its headers alone: its layout ("native", "huggingface" or "original"), its
     config, its parameters as ShapeDtypeStructs and its tokenizer (checked against the vocabulary)."""
     layout: str
     config: ModelConfig
@@ -62,7 +65,22 @@ def inspect(directory: str, config=None, tokenizer: str | None = None, *, need_t
     ``CheckpointError`` naming the file otherwise."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: checkpoint directory does not exist")
-    if os.path.exists(os.path.join(directory, CONFIG)):
+    config_json = os.path.join(directory, CONFIG)
+    has_config = os.path.exists(config_json)
+    stored_json = read_json(config_json, "config") if has_config else None
+    if has_config and not (isinstance(stored_json, dict) and stored_json.get("format") == FORMAT) \
+            and is_hf_config(stored_json):
+        layout = "huggingface"
+        stored = config_from_hf(stored_json, config_json)
+        if config is not None and resolve_config(config) != stored:
+            raise CheckpointError(f"{directory}: config.json describes another model than the config passed in: "
+                                  f"{config_differences(stored, resolve_config(config))} (checkpoint != passed)")
+        config = stored
+        sources = open_hf(directory, config)
+        from tokenization import find_tokenizer as tokenizer_in
+
+        tokenizer_path = tokenizer_in(directory)
+    elif has_config:
         layout = "native"
         stored, sources, tokenizer_path = open_native(directory)
         if config is not None and resolve_config(config) != stored:
@@ -78,14 +96,15 @@ def inspect(directory: str, config=None, tokenizer: str | None = None, *, need_t
         sources = open_original(directory, config, shard)
         tokenizer_path = find_tokenizer(directory)
     else:
-        raise CheckpointError(f"{directory}: neither a native checkpoint (config.json) nor an original "
-                              "Grok-1 one (ckpt-0/)")
+        raise CheckpointError(f"{directory}: neither a native checkpoint (config.json), a Hugging Face one (its "
+                              "config.json and safetensors) nor an original Grok-1 one (ckpt-0/)")
     check_sources(sources, config)
     tokenizer_path = tokenizer or tokenizer_path
     if tokenizer_path is None and need_tokenizer:
         where = f"; {WHERE_GROK1_TOKENIZER}" if layout == "original" else ""
-        raise CheckpointError(f"{directory}: no {TOKENIZER} in it or its parent directory: pass --tokenizer "
-                              f"PATH{where}")
+        named = TOKENIZER if layout == "original" else "tokenizer (tokenizer.model, tokenizer.tok.json, tokenizer.json)"
+        raise CheckpointError(f"{directory}: no {named} in it{' or its parent directory' if layout == 'original' else ''}: "
+                              f"pass --tokenizer PATH{where}")
     check_tokenizer(tokenizer_path, config)
     params = _nest({name: _placeholder(source) for name, source in sources.items()})
     return Inspected(layout, config, params, tokenizer_path, sources)

@@ -2,7 +2,7 @@
 
     grok-runner [generate] [--prompt TEXT] ...   stream continuations (the default subcommand)
     grok-runner serve [--checkpoint DIR] ...     the OpenAI-compatible HTTP server
-    grok-runner convert SRC DST --config grok-1  an original Grok-1 checkpoint to the native format
+    grok-runner convert SRC DST                  a checkpoint (ckpt-0/ with --config, Hugging Face) to the native format
     grok-runner plan --preset grok-1 --mesh 1,8  the per-device memory plan
 
 ``cli/main.py`` dispatches; each subcommand's flags come from one table (``cli/flags.py``), and

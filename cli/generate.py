@@ -3,7 +3,7 @@
     grok-runner                                   # the shipped model, a default prompt
     grok-runner --prompt "It is a truth"          # one prompt
     grok-runner < prompts.txt                     # one prompt per line, batched over the slots
-    grok-runner --checkpoint DIR [--config grok-1]  # a native or original-layout checkpoint
+    grok-runner --checkpoint DIR [--config grok-1]  # a native, Hugging Face or original-layout checkpoint
 
 Ends with a summary line on stderr: time to first token, output tokens/s, compilations.
 """

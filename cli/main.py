@@ -6,11 +6,11 @@ import os
 import sys
 
 SUBCOMMANDS = ("generate", "serve", "convert", "plan")
-USAGE = """grok-runner: serve and run Grok-1-style mixture-of-experts models with JAX.
+USAGE = """grok-runner: serve and run Grok-1 and Grok-2 style mixture-of-experts models with JAX.
 
     grok-runner [generate] [--prompt TEXT] ...   stream continuations (the default subcommand)
     grok-runner serve [--checkpoint DIR] ...     the OpenAI-compatible HTTP server
-    grok-runner convert SRC DST --config grok-1  an original Grok-1 checkpoint to the native format
+    grok-runner convert SRC DST                  a checkpoint (ckpt-0/ with --config, Hugging Face) to the native format
     grok-runner plan --preset grok-1 --mesh 1,8  the per-device memory plan
 
 Without --checkpoint, the model shipped with the package (austen-moe) is used."""

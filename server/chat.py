@@ -45,6 +45,15 @@ DEFAULT_TEMPLATE = (  # a tool call as its JSON ({"name": ..., "arguments": {...
     "{% for call in m.tool_calls or [] %}{{ call.function | tojson }}{% endfor %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+# Grok-2's chat format, as sglang's TiktokenTokenizer (srt/tokenizer/tiktoken_tokenizer.py) and vLLM's
+# Grok2Tokenizer write it: the release ships no template, and this is what both servers apply
+GROK2_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ 'Human: ' + message['content'].strip() + '<|separator|>\n\n' }}"
+    "{% elif message['role'] == 'system' %}{{ 'System: ' + message['content'].strip() + '<|separator|>\n\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' + message['content'] + '<|separator|>\n\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
 # the names the server gives a template; a request's chat_template_kwargs may not replace them
 RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
             "strftime_now")
@@ -114,9 +123,25 @@ class ChatTemplate:
 
     @classmethod
     def for_checkpoint(cls, directory: str | None) -> "ChatTemplate":
-        path = os.path.join(directory, TEMPLATE_FILE) if directory else None
-        if path and os.path.isfile(path):
+        """A checkpoint's own template: its ``chat_template.jinja``, else the ``chat_template`` of
+        its ``tokenizer_config.json``, else Grok-2's format where it holds Grok-2's tokenizer
+        (``tokenizer.tok.json``), else the default."""
+        if not directory:
+            return cls()
+        path = os.path.join(directory, TEMPLATE_FILE)
+        if os.path.isfile(path):
             return cls.from_file(path)
+        config = os.path.join(directory, "tokenizer_config.json")
+        if os.path.isfile(config):
+            try:
+                with open(config, encoding="utf-8") as f:
+                    data = json.loads(f.read())
+            except (OSError, ValueError):
+                data = None  # not a template source; from_file names the file if one is asked for
+            if isinstance(data, dict) and "chat_template" in data:
+                return cls.from_file(config)
+        if os.path.isfile(os.path.join(directory, "tokenizer.tok.json")):
+            return cls(GROK2_TEMPLATE, origin="Grok-2's chat format (as sglang and vLLM write it)")
         return cls()
 
     def render(self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True,
@@ -155,7 +180,7 @@ class ChatTemplate:
         message. A text that cannot fit ``context`` tokens is returned as text, so its length is
         refused for the price of reading it (``InferenceRunner._encode``), never of encoding it."""
         marks, ids = {}, {}  # name -> its mark, mark -> its id
-        for name, i in (("bos_token", tokenizer.sp.bos_id()), ("eos_token", tokenizer.sp.eos_id())):
+        for name, i in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id)):
             if i >= 0:
                 marks[name] = f"\x00{_MARK}{name}\x00"
                 ids[marks[name]] = i

@@ -36,6 +36,7 @@ def pytest_configure(config):
 # started last keeps one worker busy while the other idles. The rest keep their order.
 LONGEST_FIRST = ("test_server.py", "test_model.py", "test_bf16.py",  # 150, 150, 150 (test_bf16: 2026-12-03)
                  "test_http.py", "test_kv_int8.py",  # 70, 70
+                 "test_grok2_serving.py", "test_grok2.py",  # 90, 45 (2026-12-04)
                  "test_sampling.py", "test_reference_parity.py", "test_chat_page.py",  # 64, 60, 40 (its server)
                  "test_core.py", "test_prefix_cache.py")  # 40, 35
 

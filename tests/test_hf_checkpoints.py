@@ -1,0 +1,160 @@
+"""Hugging Face directories of the Grok family load to exactly the parameters of the same model in
+the native format: Grok-2 (one file set, and split 8 ways for tensor parallelism), hpcai-tech's
+and keyfan's Grok-1; recognised by their config.json; restored onto a mesh; converted; their
+mistakes one error naming the file and tensor. The tiny models are written by tests/hf_writers.py."""
+
+import json
+import os
+import shutil
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from checkpoints import CheckpointError, restore, save
+from checkpoints.convert import convert
+from checkpoints.restore import inspect
+from model import TINY, TINY_GROK2, init_params
+from model.sharding import make_mesh
+from tests.hf_writers import hf_config, write_hf
+
+CASES = {"grok-2": (TINY_GROK2, "sglang", 0), "grok-2-tp8": (TINY_GROK2, "sglang", 8),
+         "hpcai-grok-1": (TINY, "hpcai", 0), "keyfan-grok-1": (TINY, "keyfan", 0)}
+TP_CONFIG = TINY_GROK2  # its experts' 24 hidden units split 8 ways: 3 a shard
+
+
+def flat(tree):
+    return {"/".join(str(k.key) for k in path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Each case: the config, its params, its HF directory and the same model saved natively."""
+    out = {}
+    for case, (config, naming, tp) in CASES.items():
+        params = init_params(config, jax.random.PRNGKey(len(case)))
+        root = tmp_path_factory.mktemp(case)
+        write_hf(root / "hf", params, config, naming, tp=tp)
+        save(str(root / "native"), jax.device_get(params), config)
+        out[case] = (config, params, root / "hf", root / "native")
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_layout_loads_exactly_the_native_parameters(models, case):
+    config, params, hf, native = models[case]
+    inspected = inspect(str(hf))
+    assert inspected.layout == "huggingface" and inspected.config == config, "recognised from config.json alone"
+    got, want = flat(restore(str(hf)).params), flat(restore(str(native)).params)
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        assert got[name].dtype == want[name].dtype, name
+
+
+@pytest.mark.parametrize("case", ["grok-2-tp8", "keyfan-grok-1"])
+def test_a_sharded_restore_reads_each_devices_slice(models, case):
+    config, params, hf, native = models[case]
+    mesh = make_mesh((2, 4))
+    got = restore(str(hf), mesh=mesh)
+    experts = got.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
+    assert len(experts.sharding.device_set) == 8
+    want = flat(restore(str(native)).params)
+    for name, value in flat(got.params).items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+
+def test_bf16_files_keep_their_dtype_and_cast_at_load(tmp_path):
+    params = init_params(TINY_GROK2, jax.random.PRNGKey(3))
+    write_hf(tmp_path / "hf", params, TINY_GROK2, "sglang", tp=8, dtype="bfloat16")
+    got = flat(restore(str(tmp_path / "hf")).params)
+    want = flat(jax.tree_util.tree_map(lambda w: np.asarray(w).astype(ml_dtypes.bfloat16), params))
+    for name in want:
+        assert got[name].dtype == ml_dtypes.bfloat16, name
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    as_f32 = flat(restore(str(tmp_path / "hf"), dtype=np.float32).params)
+    assert all(v.dtype == np.float32 for v in as_f32.values())
+
+
+@pytest.mark.parametrize("case", ["grok-2-tp8", "hpcai-grok-1"])
+def test_convert_writes_the_native_format(models, case, tmp_path):
+    config, params, hf, native = models[case]
+    convert(str(hf), str(tmp_path / "out"), progress=False)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["format"]
+    converted = restore(str(tmp_path / "out"))
+    assert converted.config == config
+    want = flat(restore(str(native)).params)
+    for name, value in flat(converted.params).items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+
+def copy_of(models, case, tmp_path):
+    target = tmp_path / case
+    shutil.copytree(models[case][2], target)
+    return target
+
+
+def test_a_missing_tp_shard_names_the_tensor_and_the_ranks(models, tmp_path):
+    hf = copy_of(models, "grok-2-tp8", tmp_path)
+    os.remove(hf / "pytorch_model-00001-TP-003.safetensors")
+    with pytest.raises(CheckpointError, match=r"block_sparse_moe\.experts\.0\.w1\.weight.*ranks \[0, 1, 2, 4, 5, 6, 7\]"):
+        inspect(str(hf))
+
+
+def test_a_missing_tensor_names_it(models, tmp_path):
+    hf = copy_of(models, "keyfan-grok-1", tmp_path)
+    from checkpoints.native import read_header
+    from tests.hf_writers import _write
+
+    for path in hf.glob("*.safetensors"):
+        header, _ = read_header(str(path))
+        if "transformer.decoder_layer.1.router.weight" in header:
+            from checkpoints.native import _lazy
+            kept = {n: _lazy(str(path), n, info, _).read() for n, info in header.items()
+                    if n not in ("__metadata__", "transformer.decoder_layer.1.router.weight")}
+            _write(str(path), kept)
+    with pytest.raises(CheckpointError, match=r"missing tensor 'transformer\.decoder_layer\.1\.router\.weight'"):
+        inspect(str(hf))
+
+
+def test_a_wrong_shape_names_the_file_and_tensor(models, tmp_path):
+    config = dict(hf_config(TINY, "hpcai"), intermediate_size=TINY.ffn_size + 8)  # the files disagree
+    hf = copy_of(models, "hpcai-grok-1", tmp_path)
+    (hf / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"moe/linear/w .*model-0000[12]-of-00002\.safetensors:model\.layers\.0"
+                                              r"\.moe_block\.experts\.0\.linear\.weight.*shape mismatch"):
+        inspect(str(hf))
+
+
+def test_an_extra_tensor_and_an_unsupported_feature_are_errors(models, tmp_path):
+    hf = copy_of(models, "grok-2", tmp_path)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\..* are not parameters of this config"):
+        inspect(str(hf))
+    (hf / "config.json").write_text(json.dumps(dict(config, sliding_window_size=4096)))
+    with pytest.raises(CheckpointError, match="sliding_window_size 4096 is not supported"):
+        inspect(str(hf))
+    (hf / "config.json").write_text(json.dumps(dict(config, rope_type="dynamic")))
+    with pytest.raises(CheckpointError, match="rope_type 'dynamic' is not supported"):
+        inspect(str(hf))
+
+
+def test_grok2s_released_config_is_the_preset():
+    """The release's config.json keys, as sglang-jax's Grok-2 scripts give them, read to GROK_2."""
+    from checkpoints.hf_layout import config_from_hf
+    from model.config import GROK_2
+
+    released = {
+        "architectures": ["Grok1ForCausalLM"], "embedding_multiplier_scale": 90.50966799187809,
+        "output_multiplier_scale": 0.5, "vocab_size": 131072, "hidden_size": 8192, "intermediate_size": 32768,
+        "moe_intermediate_size": 16384, "max_position_embeddings": 131072, "num_experts_per_tok": 2,
+        "num_local_experts": 8, "residual_moe": True, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "num_hidden_layers": 64, "head_dim": 128, "rms_norm_eps": 1e-05, "final_logit_softcapping": 50,
+        "attn_logit_softcapping": 30.0, "router_logit_softcapping": 30.0, "rope_theta": 208533496,
+        "attn_temperature_len": 1024, "sliding_window_size": -1, "global_attn_every_n": 1, "model_type": "git",
+        "torch_dtype": "bfloat16", "rope_type": "original", "original_max_position_embeddings": 8192,
+        "scaling_factor": 16.0, "extrapolation_factor": 1.0, "attn_factor": 1.0, "beta_fast": 8, "beta_slow": 1}
+    assert config_from_hf(released, "config.json") == GROK_2
