@@ -181,3 +181,20 @@ def test_the_plan_of_grok2_on_eight_h200s(capsys):
     assert main(["plan", "--preset", "grok-2", "--mesh", "1,8", "--device-memory", "141", "--kv-dtype", "int8"]) == 0
     out = capsys.readouterr().out
     assert "KV per token   : 16,896 bytes" in out and "context 131,072: batch 37" in out
+
+
+def test_at_grok2s_own_lengths_past_1024_positions():
+    """The temperature at its released length (1024) and YaRN over an original context of 1024,
+    through 1280 positions: the long prompt's blocked attention (256 queries a block) applies each
+    query's temperature, and the logits equal the numpy statement's."""
+    config = dataclasses.replace(TINY_GROK2, sequence_len=2048, attn_temperature_len=1024, rope_base=208533496.0,
+                                 rope_original_context=1024, rope_scaling_factor=2.0)
+    params = grok2_params(config, seed=5)
+    tokens = tokens_of(6, (1280,))
+    want, _ = grok2_numpy.forward(jax.device_get(params), tokens, config)
+    got = np.asarray(forward(params, tokens[None], config, backend=XLA()).logits[0])
+    assert np.abs(got - want).max() < 2e-4 * np.abs(want).max()
+    plain = np.asarray(forward(params, tokens[None], dataclasses.replace(config, attn_temperature_len=0),
+                               backend=XLA()).logits[0])
+    np.testing.assert_allclose(plain[:1025], got[:1025], atol=1e-5)  # 1 up to position 1024
+    assert np.abs(plain[1100:] - got[1100:]).max() > 1e-3
