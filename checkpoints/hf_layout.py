@@ -17,7 +17,9 @@ Three tensor namings are read, each mapped onto the native parameter tree:
   ``rms_norm`` .. ``rms_norm_3``, ``transformer.in_out_embed`` (its modeling_grok.py, as
   llama.cpp's GrokModel reads it).
 
-Every matrix is stored PyTorch's way, ``[out, in]``, and read transposed; experts are stored one
+Weights are safetensors files or, where a directory has none, PyTorch ``.bin`` state dicts (read
+without unpickling: ``checkpoints.torch_zip``). Every matrix is stored PyTorch's way, ``[out, in]``,
+and read transposed; experts are stored one
 tensor each and read stacked ``[E, in, out]``. Grok-2's experts come split 8 ways for tensor
 parallelism, ``pytorch_model-NNNNN-TP-00k.safetensors`` (gate and up along their output rows, down
 along its input columns), everything else once in ``...-TP-common.safetensors``: the shards are
@@ -36,6 +38,7 @@ import re
 from checkpoints.lazy import LazyTensor, concatenated, stacked, transposed
 from checkpoints.native import _lazy, read_header
 from checkpoints.safe_pickle import CheckpointError
+from checkpoints.torch_zip import open_torch_zip
 from model.config import ModelConfig, ffn_size
 
 ARCHITECTURES = ("Grok1ForCausalLM", "Grok1ModelForCausalLM", "GrokForCausalLM")
@@ -202,23 +205,27 @@ def config_from_hf(data: dict, source: str, dtype: str | None = None) -> ModelCo
         raise CheckpointError(f"{source}: config does not describe a model this runner can run: {e}") from None
 
 
+def _file_tensors(path: str) -> dict[str, LazyTensor]:
+    if path.endswith(".bin"):
+        return open_torch_zip(path)
+    header, data_start = read_header(path)
+    return {name: _lazy(path, name, info, data_start) for name, info in header.items() if name != "__metadata__"}
+
+
 def _tensors(directory: str) -> tuple[dict[str, LazyTensor], dict[str, list[tuple[int, LazyTensor]]]]:
-    """Every tensor of the directory's safetensors files: ``{name: tensor}`` for the files read
-    whole, and ``{name: [(rank, shard)]}`` for tensors split over ``-TP-00k`` files."""
+    """Every tensor of the directory's safetensors files (else of its PyTorch ``.bin`` files, read
+    without unpickling: ``checkpoints.torch_zip``): ``{name: tensor}`` for the files read whole,
+    and ``{name: [(rank, shard)]}`` for tensors split over ``-TP-00k`` files."""
     files = sorted(glob.glob(os.path.join(glob.escape(directory), "*.safetensors")))
+    files = files or sorted(glob.glob(os.path.join(glob.escape(directory), "*.bin")))
     if not files:
-        raise CheckpointError(f"{directory}: a Hugging Face config.json but no *.safetensors files (PyTorch "
-                              ".bin files are not read: they are pickles; convert them to safetensors)")
+        raise CheckpointError(f"{directory}: a Hugging Face config.json but no *.safetensors or *.bin weight files")
     whole: dict[str, LazyTensor] = {}
     shards: dict[str, list[tuple[int, LazyTensor]]] = {}
     for path in files:
-        header, data_start = read_header(path)
         tp = _TP_FILE.fullmatch(os.path.basename(path))
         rank = None if tp is None or tp.group(1) == "common" else int(tp.group(1))
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            tensor = _lazy(path, name, info, data_start)
+        for name, tensor in _file_tensors(path).items():
             if rank is not None:
                 shards.setdefault(name, []).append((rank, tensor))
             elif name in whole:

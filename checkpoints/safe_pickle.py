@@ -225,8 +225,9 @@ class _Interpreter:
         finally:
             self.file.close()
 
-    def _run(self):
-        ops = {
+    def opcodes(self) -> dict:
+        """The opcodes this interpreter runs, by code."""
+        return {
             0x80: lambda: self.read(1),  # PROTO
             0x95: lambda: self.read(8),  # FRAME (frames are transparent here)
             ord("("): lambda: self.push(_MARK),
@@ -266,6 +267,9 @@ class _Interpreter:
             0x81: self.op_newobj,
             ord("b"): self.op_build,
         }
+
+    def _run(self):
+        ops = self.opcodes()
         while True:
             self.op_start = self.pos
             code = self.read(1)[0]

@@ -13,7 +13,10 @@ what the loaders (checkpoints/hf_layout.py) are tested against. Nothing here is 
 - ``keyfan`` (``keyfan/grok-1-hf``): Grok-1's names under ``transformer.`` as its modeling_grok.py
   and llama.cpp's GrokModel read them (``transformer.decoder_layer.N.moe.E.linear``).
 
-Matrices are written PyTorch's way, ``[out, in]``; experts one tensor each.
+Matrices are written PyTorch's way, ``[out, in]``; experts one tensor each. ``bin=True`` writes
+PyTorch ``.bin`` state dicts, as hpcai-tech's and keyfan's conversions are published
+(``pytorch_model-0000N-of-0000M.bin``): ``torch.save``'s zip archive, spelled out here without
+torch (``write_torch_bin``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ import os
 import jax
 import ml_dtypes
 import numpy as np
+
+import struct
+import zipfile
 
 from checkpoints.native import SafetensorsWriter
 
@@ -104,8 +110,49 @@ def _write(path: str, tensors: dict[str, np.ndarray]) -> None:
     writer.close()
 
 
+_TORCH_STORAGE = {"float32": "FloatStorage", "bfloat16": "BFloat16Storage", "float16": "HalfStorage"}
+
+
+def _text(s: str) -> bytes:
+    data = s.encode()
+    return b"X" + struct.pack("<I", len(data)) + data  # BINUNICODE
+
+
+def _int(n: int) -> bytes:
+    return b"J" + struct.pack("<i", n)  # BININT
+
+
+def _ints(values) -> bytes:
+    return b"(" + b"".join(_int(n) for n in values) + b"t"  # MARK ... TUPLE
+
+
+def write_torch_bin(path: str, tensors: dict[str, np.ndarray], archive: str = "pytorch_model") -> None:
+    """``tensors`` as ``torch.save(state_dict)`` writes them (torch/serialization.py, ``_save``): a
+    zip archive, stored, of ``<archive>/data.pkl``, a protocol-2 pickle of an OrderedDict of
+    ``torch._utils._rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict())`` whose
+    storages are persistent ids ``("storage", torch.<Type>Storage, key, "cpu", numel)``, and
+    ``<archive>/data/<key>``, each storage's bytes; plus ``version`` and ``byteorder``."""
+    ordered = b"ccollections\nOrderedDict\n)R"  # GLOBAL, EMPTY_TUPLE, REDUCE
+    stream = b"\x80\x02" + ordered + b"("
+    for key, (name, array) in enumerate(tensors.items()):
+        storage = _TORCH_STORAGE[np.dtype(array.dtype).name]
+        shape = array.shape
+        stride = [int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape))]
+        pid = b"(" + _text("storage") + b"ctorch\n" + storage.encode() + b"\n" + _text(str(key)) + _text("cpu") + \
+            _int(array.size) + b"tQ"  # the persistent id's tuple, BINPERSID
+        stream += _text(name) + b"ctorch._utils\n_rebuild_tensor_v2\n(" + pid + _int(0) + _ints(shape) + \
+            _ints(stride) + b"\x89" + ordered + b"tR"  # args tuple, REDUCE
+    stream += b"u."  # SETITEMS, STOP
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr(f"{archive}/data.pkl", stream)
+        z.writestr(f"{archive}/byteorder", "little")
+        for key, array in enumerate(tensors.values()):
+            z.writestr(f"{archive}/data/{key}", np.ascontiguousarray(array).tobytes())
+        z.writestr(f"{archive}/version", "3\n")
+
+
 def write_hf(directory, params, config, naming: str, *, tp: int = 0, dtype=None, files: int = 2,
-             tokenizer: str | None = None) -> None:
+             tokenizer: str | None = None, bin: bool = False) -> None:
     """``params`` of ``config`` as a Hugging Face directory of ``naming``: config.json and
     safetensors (``files`` files, or with ``tp`` the experts split over ``tp`` TP files and the
     rest in a TP-common one), tensors cast to ``dtype`` if given, and ``tokenizer`` copied in
@@ -134,7 +181,10 @@ def write_hf(directory, params, config, naming: str, *, tp: int = 0, dtype=None,
         names = list(tensors)
         for n in range(files):
             part = {k: tensors[k] for k in names[n::files]}
-            _write(os.path.join(directory, f"model-{n + 1:05d}-of-{files:05d}.safetensors"), part)
+            if bin:
+                write_torch_bin(os.path.join(directory, f"pytorch_model-{n + 1:05d}-of-{files:05d}.bin"), part)
+            else:
+                _write(os.path.join(directory, f"model-{n + 1:05d}-of-{files:05d}.safetensors"), part)
     if tokenizer is not None:
         from checkpoints.native import copy_tokenizer
 

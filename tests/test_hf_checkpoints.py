@@ -20,7 +20,8 @@ from model.sharding import make_mesh
 from tests.hf_writers import hf_config, write_hf
 
 CASES = {"grok-2": (TINY_GROK2, "sglang", 0), "grok-2-tp8": (TINY_GROK2, "sglang", 8),
-         "hpcai-grok-1": (TINY, "hpcai", 0), "keyfan-grok-1": (TINY, "keyfan", 0)}
+         "hpcai-grok-1": (TINY, "hpcai", 0), "keyfan-grok-1": (TINY, "keyfan", 0),
+         "hpcai-grok-1-bin": (TINY, "hpcai", 0), "keyfan-grok-1-bin": (TINY, "keyfan", 0)}
 TP_CONFIG = TINY_GROK2  # its experts' 24 hidden units split 8 ways: 3 a shard
 
 
@@ -36,7 +37,7 @@ def models(tmp_path_factory):
     for case, (config, naming, tp) in CASES.items():
         params = init_params(config, jax.random.PRNGKey(len(case)))
         root = tmp_path_factory.mktemp(case)
-        write_hf(root / "hf", params, config, naming, tp=tp)
+        write_hf(root / "hf", params, config, naming, tp=tp, bin=case.endswith("-bin"))
         save(str(root / "native"), jax.device_get(params), config)
         out[case] = (config, params, root / "hf", root / "native")
     return out
@@ -158,3 +159,64 @@ def test_grok2s_released_config_is_the_preset():
         "torch_dtype": "bfloat16", "rope_type": "original", "original_max_position_embeddings": 8192,
         "scaling_factor": 16.0, "extrapolation_factor": 1.0, "attn_factor": 1.0, "beta_fast": 8, "beta_slow": 1}
     assert config_from_hf(released, "config.json") == GROK_2
+
+
+def test_a_bin_file_is_read_without_unpickling(tmp_path):
+    """A .bin whose pickle names any other global (here os.system) is refused before anything runs,
+    naming the file and the global; nothing is ever unpickled."""
+    from tests.hf_writers import write_torch_bin
+
+    path = tmp_path / "pytorch_model.bin"
+    write_torch_bin(str(path), {"w": np.zeros((2, 2), np.float32)})
+    from checkpoints.torch_zip import open_torch_zip
+
+    assert open_torch_zip(str(path))["w"].shape == (2, 2)
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        stream = z.read("pytorch_model/data.pkl")
+    evil = stream.replace(b"ctorch._utils\n_rebuild_tensor_v2\n", b"cos\nsystem\n")
+    with zipfile.ZipFile(tmp_path / "evil.bin", "w") as z:
+        z.writestr("pytorch_model/data.pkl", evil)
+        z.writestr("pytorch_model/data/0", b"\0" * 16)
+    with pytest.raises(CheckpointError, match=r"evil\.bin.*refusing global os\.system"):
+        open_torch_zip(str(tmp_path / "evil.bin"))
+    (tmp_path / "legacy.bin").write_bytes(b"\x80\x02}q\x00.")
+    with pytest.raises(CheckpointError, match="legacy"):
+        open_torch_zip(str(tmp_path / "legacy.bin"))
+
+
+def test_a_corrupted_bin_is_an_error_naming_it_never_a_crash(tmp_path):
+    """Bytes of the pickle flipped, cut or inserted: a CheckpointError naming the file, or (a flip
+    that keeps it well formed) a load; never another exception."""
+    import random
+    import zipfile
+
+    from checkpoints.torch_zip import open_torch_zip
+    from tests.hf_writers import write_torch_bin
+
+    good = tmp_path / "good.bin"
+    write_torch_bin(str(good), {"a.weight": np.ones((4, 3), np.float32), "b": np.zeros(5, ml_dtypes.bfloat16)})
+    with zipfile.ZipFile(good) as z:
+        members = {name: z.read(name) for name in z.namelist()}
+    stream = members["pytorch_model/data.pkl"]
+    rng = random.Random(0)
+    for i in range(300):
+        data = bytearray(stream)
+        where = rng.randrange(len(data))
+        kind = i % 3
+        if kind == 0:
+            data[where] = rng.randrange(256)
+        elif kind == 1:
+            del data[where:]
+        else:
+            data[where:where] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        path = tmp_path / f"bad{i}.bin"
+        with zipfile.ZipFile(path, "w") as z:
+            for name, content in members.items():
+                z.writestr(name, bytes(data) if name.endswith("data.pkl") else content)
+        try:
+            for tensor in open_torch_zip(str(path)).values():
+                tensor.read()
+        except CheckpointError as e:
+            assert str(path) in str(e)
