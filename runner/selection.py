@@ -127,9 +127,6 @@ def _blockers(config, params, kv_dtype) -> tuple[dict, set]:
             needs[op].append(f"{what} all float or all int8, and these are {', '.join(sorted(held))}")
     if not decode_attention_fits(c.num_q_heads, c.num_kv_heads, c.key_size):
         needs["attention"].append(f"head sizes up to {MAX_HEAD} and at most {MAX_GROUP} query heads a KV head")
-    if c.attn_temperature_len:
-        needs["attention"].append("one scale and cap for every row, and Grok-2's attention temperature is a "
-                                  "factor per row")
     kv_dtype = jnp.dtype(c.dtype if kv_dtype is None else kv_dtype).name
     if kv_dtype not in ("float32", "bfloat16", "int8"):
         needs["attention"].append(f"a float32, bf16 or int8 KV cache (it is {kv_dtype})")

@@ -408,6 +408,38 @@ def test_decode_attention_reads_an_int8_cache_as_its_dequantised_values(b, n, kv
         panel.decode_attention_int8(q, k.replace(scales=k.scales[..., 0]), v, mask, 1.0, 30.0)
 
 
+@needs_kernel
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8"])
+def test_decode_attention_takes_each_rows_temperature(cache):
+    """Grok-2's attention temperature: row b's capped logits times t[b], on every cache kind, as
+    XLA's op computes it; t = 1 is the plain kernel exactly."""
+    from backends.xla import attend
+    from model import quantize_kv
+
+    b, n, kv, h, s_max, s = 3, 8, 2, 64, 40, 33
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((b, n, h)).astype(np.float32) * 20
+    k, v = (jnp.asarray(rng.standard_normal((b, kv, s_max, h)), jnp.float32) for _ in range(2))
+    if cache == "int8":
+        k, v = quantize_kv(k), quantize_kv(v)
+        kernel = panel.decode_attention_int8
+    else:
+        k, v = k.astype(cache), v.astype(cache)
+        kernel = panel.decode_attention
+    mask = rng.random((b, s)) < 0.7
+    mask[:, 0] = True
+    t = np.array([1.0, 1.37, 2.2], np.float32)
+    got = jax.jit(kernel, static_argnums=(4, 5))(q, k, v, mask, 0.125, 30.0, t)
+    q_in = jnp.asarray(q)[:, None]
+    want = attend(q_in.astype(jnp.float32), k, v, jnp.asarray(mask)[:, None], 0.125, 30.0, jnp.asarray(t)[:, None])[:, 0]
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    plain = kernel(q, k, v, mask, 0.125, 30.0)
+    np.testing.assert_array_equal(np.asarray(got)[0], np.asarray(plain)[0])
+    assert np.abs(np.asarray(got)[2] - np.asarray(plain)[2]).max() > 1e-3
+    with pytest.raises(ValueError, match="temperature must be"):
+        kernel(q, k, v, mask, 0.125, 30.0, t[:2])
+
+
 def test_decode_attention_rejects_what_it_cannot_do():
     q, k, mask = jnp.zeros((2, 8, 64)), jnp.zeros((2, 2, 16, 64)), jnp.ones((2, 16), bool)
     with pytest.raises(ValueError, match="float32 queries and float32 or bf16 caches"):

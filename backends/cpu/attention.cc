@@ -4,7 +4,8 @@
 //
 //   q [B, N, H], caches k, v [B, K, S_max, H], mask [B, S] (S <= S_max)  ->  out [B, N, H]
 //   out[b, n] = sum_s p[s] v[b, n / G, s]  over the keys s < S that mask[b] allows, with
-//   p = softmax(cap * tanh(scale * q[b, n] . k[b, n / G, s] / cap))   (G = N / K query heads a KV head)
+//   p = softmax(t[b] * cap * tanh(scale * q[b, n] . k[b, n / G, s] / cap))   (G = N / K query heads a KV
+//   head; t[b] a row's attention temperature, Grok-2's, 1 otherwise)
 //   int8: k[b, j, s] = k_int8[b, j, s] * k_scale[b, j, s] (the same for v); the scale of a key
 //   multiplies its logit after the dot, that of a value its weight, so the int8 rows are
 //   converted in registers and never written back as floats (4x fewer bytes read than float32).
@@ -108,6 +109,7 @@ struct Attention {
   const T *k, *v;
   const float *k_scale, *v_scale;  // int8 only
   const bool* mask;
+  const float* temperature;  // [B]: row b's logits are temperature[b] * cap * tanh(scale * x / cap)
   float* out;
   int64_t kv_heads, group, s_max, s, h;
   float scale, cap;
@@ -179,7 +181,9 @@ struct Attention {
     // in L1 (16 KiB), each block read once for all G heads: at long contexts a head's pass over all
     // the values would evict them before the next head's. An int8 value's scale multiplies its weight.
     float inv[kMaxHeadsPerKv];
-    for (int64_t g = 0; g < g_count; ++g) inv[g] = 1.0f / exp_logits(lg + g * padded, n, padded);
+    // t * cap * tanh(scale * x / cap) is the cap and scale both times t (exactly them where t = 1)
+    const float row_scale = scale * temperature[b], row_cap = cap * temperature[b];
+    for (int64_t g = 0; g < g_count; ++g) inv[g] = 1.0f / exp_logits(lg + g * padded, n, padded, row_scale, row_cap);
     thread_local std::vector<vec> sums;  // [G, HV]: each head's running sums between blocks
     sums.assign(g_count * HV, vec{});
     const int64_t block = std::max<int64_t>(16, (16 << 10) / (h * int64_t(sizeof(T))));
@@ -209,7 +213,7 @@ struct Attention {
 
   // In place: the n logits of one head scaled, soft-capped and exponentiated less their maximum
   // (lanes n .. padded-1 are 0); returns their sum, the softmax's denominator.
-  float exp_logits(float* lg, int64_t n, int64_t padded) const {
+  static float exp_logits(float* lg, int64_t n, int64_t padded, float scale, float cap) {
     v16 top = splat(-INFINITY);
     for (int64_t i = 0; i < padded; i += 16) {
       v16 x = load(lg + i) * scale;
@@ -269,30 +273,40 @@ ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& q, const KV& k, const KV& v,
   return ffi::Error::Success();
 }
 
+// One factor a row: [B] float32.
+ffi::Error CheckTemperature(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& temperature) {
+  auto td = temperature.dimensions();
+  if (td.size() != 1 || td[0] != q.dimensions()[0])
+    return ffi::Error::InvalidArgument("decode attention: the temperature must be [B] like the queries' rows");
+  return ffi::Error::Success();
+}
+
 template <typename T>
 void Run(ffi::ThreadPool& pool, const Attention<T>& a, int64_t batch) {
   ParallelFor(pool, batch * a.kv_heads, [&](int64_t t) { a.task(t / a.kv_heads, t % a.kv_heads); });
 }
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, float scale, float cap,
-                           ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::F32> temperature,
+                           float scale, float cap, ffi::ResultBuffer<ffi::F32> out) {
   if (auto error = CheckShapes(q, k, v, mask, out); error.failure()) return error;
+  if (auto error = CheckTemperature(q, temperature); error.failure()) return error;
   auto qd = q.dimensions(), kd = k.dimensions();
   Attention<float> a{q.typed_data(), k.typed_data(), v.typed_data(), nullptr, nullptr, mask.typed_data(),
-                     out->typed_data(), kd[1], qd[1] / kd[1], kd[2], mask.dimensions()[1], qd[2], scale, cap};
+                     temperature.typed_data(), out->typed_data(), kd[1], qd[1] / kd[1], kd[2], mask.dimensions()[1], qd[2], scale, cap};
   Run(pool, a, qd[0]);
   return ffi::Error::Success();
 }
 
 // A bf16 cache: k, v [B, K, S_max, H] bf16, widened in registers (half of float32's bytes read).
 ffi::Error DecodeAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::BF16> k,
-                               ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::PRED> mask, float scale, float cap,
-                               ffi::ResultBuffer<ffi::F32> out) {
+                               ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::F32> temperature,
+                               float scale, float cap, ffi::ResultBuffer<ffi::F32> out) {
   if (auto error = CheckShapes(q, k, v, mask, out); error.failure()) return error;
+  if (auto error = CheckTemperature(q, temperature); error.failure()) return error;
   auto qd = q.dimensions(), kd = k.dimensions();
   Attention<uint16_t> a{q.typed_data(), k.typed_data(), v.typed_data(), nullptr, nullptr, mask.typed_data(),
-                        out->typed_data(), kd[1], qd[1] / kd[1], kd[2], mask.dimensions()[1], qd[2], scale, cap};
+                        temperature.typed_data(), out->typed_data(), kd[1], qd[1] / kd[1], kd[2], mask.dimensions()[1], qd[2], scale, cap};
   Run(pool, a, qd[0]);
   return ffi::Error::Success();
 }
@@ -300,8 +314,10 @@ ffi::Error DecodeAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
 // The int8 cache: values k, v [B, K, S_max, H] int8 and their scales [B, K, S_max, 1] float32.
 ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
                                ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> v_scale,
-                               ffi::Buffer<ffi::PRED> mask, float scale, float cap, ffi::ResultBuffer<ffi::F32> out) {
+                               ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::F32> temperature, float scale,
+                               float cap, ffi::ResultBuffer<ffi::F32> out) {
   if (auto error = CheckShapes(q, k, v, mask, out); error.failure()) return error;
+  if (auto error = CheckTemperature(q, temperature); error.failure()) return error;
   auto qd = q.dimensions(), kd = k.dimensions();
   for (auto* s : {&k_scale, &v_scale}) {
     auto sd = s->dimensions();
@@ -309,7 +325,7 @@ ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
       return ffi::Error::InvalidArgument("decode_attention_int8: scales must be [B, K, S_max, 1] like k and v");
   }
   Attention<int8_t> a{q.typed_data(), k.typed_data(), v.typed_data(), k_scale.typed_data(), v_scale.typed_data(),
-                      mask.typed_data(), out->typed_data(), kd[1], qd[1] / kd[1], kd[2], mask.dimensions()[1], qd[2],
+                      mask.typed_data(), temperature.typed_data(), out->typed_data(), kd[1], qd[1] / kd[1], kd[2], mask.dimensions()[1], qd[2],
                       scale, cap};
   Run(pool, a, qd[0]);
   return ffi::Error::Success();
@@ -324,6 +340,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(decode_attention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
@@ -337,6 +354,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(decode_attention_int8, DecodeAttentionInt8,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
@@ -348,6 +366,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(decode_attention_bf16, DecodeAttentionBf16,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());

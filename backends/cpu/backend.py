@@ -91,18 +91,16 @@ class CPU(XLA):
 
     def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None):
         b, t, n, h = q_BTNH.shape
-        # the decode kernel takes one scale and cap for every row; Grok-2's attention temperature
-        # (a factor per row) is XLA's (runner.selection leaves the kernel out for such a model)
-        if ("attention" in self.on and t == 1 and temperature_BT is None
-                and ops.decode_attention_fits(n, k_BKSH.shape[1], h)):
+        if "attention" in self.on and t == 1 and ops.decode_attention_fits(n, k_BKSH.shape[1], h):
             # a decode step read in place from the caches (XLA copies the attended positions
             # first, and dequantises an int8 cache into a float copy)
             q_BNH = q_BTNH[:, 0].astype(jnp.float32)
+            temperature_B = None if temperature_BT is None else temperature_BT[:, 0]  # Grok-2's, a row's
             if k_BKSH.dtype in (jnp.float32, jnp.bfloat16):
-                out_BNH = ops.decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BTS[:, 0], scale, cap)
+                out_BNH = ops.decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BTS[:, 0], scale, cap, temperature_B)
                 return out_BNH[:, None].astype(q_BTNH.dtype)
             if k_BKSH.dtype == jnp.int8:  # an int8 record (model.memory.QuantizedKV)
-                out_BNH = ops.decode_attention_int8(q_BNH, k_BKSH, v_BKSH, mask_BTS[:, 0], scale, cap)
+                out_BNH = ops.decode_attention_int8(q_BNH, k_BKSH, v_BKSH, mask_BTS[:, 0], scale, cap, temperature_B)
                 return out_BNH[:, None].astype(q_BTNH.dtype)
         return attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT)
 

@@ -215,12 +215,22 @@ def decode_attention_fits(num_q_heads: int, num_kv_heads: int, head_size: int) -
     return head_size <= MAX_HEAD and num_q_heads // num_kv_heads <= MAX_GROUP
 
 
-def decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BS, scale: float, cap: float):
+def _temperature(temperature_B, b: int):
+    """Each row's factor on its capped logits (Grok-2's attention temperature): ``[B]`` float32, 1s by default."""
+    if temperature_B is None:
+        return jnp.ones((b,), jnp.float32)
+    if temperature_B.shape != (b,):
+        raise ValueError(f"decode attention: temperature must be [{b}], got {temperature_B.shape}")
+    return temperature_B.astype(jnp.float32)
+
+
+def decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BS, scale: float, cap: float, temperature_B=None):
     """One decode step of grouped-query attention read in place from float32 or bf16 caches.
 
     ``q [B, N, H]`` (rotated), caches ``k, v [B, K, S_max, H]`` and ``mask [B, S]`` (S <= S_max:
     only the first S positions are read). Query head n uses KV head ``n // (N / K)``; logits are
-    ``cap * tanh(scale * q.k / cap)``, softmaxed over the allowed keys; a row with none allowed
+    ``t * cap * tanh(scale * q.k / cap)`` (``t``: the row's ``temperature_B``, default 1),
+    softmaxed over the allowed keys; a row with none allowed
     gets zeros. ``[B, N, H]`` float32. A bf16 cache is widened in registers, exactly.
     (attention.cc: XLA:CPU copies the S positions out of each cache first.)"""
     b, n, h = q_BNH.shape
@@ -238,10 +248,11 @@ def decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BS, scale: float, cap: float):
     build.require()
     target = build.ATTENTION if k_BKSH.dtype == jnp.float32 else build.ATTENTION_BF16
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
-    return call(q_BNH, k_BKSH, v_BKSH, mask_BS.astype(jnp.bool_), scale=np.float32(scale), cap=np.float32(cap))
+    return call(q_BNH, k_BKSH, v_BKSH, mask_BS.astype(jnp.bool_), _temperature(temperature_B, b),
+                scale=np.float32(scale), cap=np.float32(cap))
 
 
-def decode_attention_int8(q_BNH, k, v, mask_BS, scale: float, cap: float):
+def decode_attention_int8(q_BNH, k, v, mask_BS, scale: float, cap: float, temperature_B=None):
     """``decode_attention`` over an int8 cache read in place: ``k`` and ``v`` are int8 records
     (``model.memory.QuantizedKV``: ``values [B, K, S_max, H]`` int8, ``scales [B, K, S_max, 1]``
     float32). Each key's scale multiplies its logit after the dot, each value's its softmax
@@ -263,7 +274,8 @@ def decode_attention_int8(q_BNH, k, v, mask_BS, scale: float, cap: float):
                          f"heads a KV head, got H={h}, {n // shape[1]}")
     build.require()
     call = jax.ffi.ffi_call(build.ATTENTION_INT8, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
-    return call(q_BNH, k.values, k.scales, v.values, v.scales, mask_BS.astype(jnp.bool_), scale=np.float32(scale),
+    return call(q_BNH, k.values, k.scales, v.values, v.scales, mask_BS.astype(jnp.bool_),
+                _temperature(temperature_B, q_BNH.shape[0]), scale=np.float32(scale),
                 cap=np.float32(cap))
 
 
