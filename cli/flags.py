@@ -11,8 +11,9 @@ import argparse
 import os
 
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
-COMPILE_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner",
-                             "compiled")
+# the compiled steps' store: $GROK_RUNNER_COMPILE_CACHE (as InferenceRunner.compile_cache), else the user's cache
+COMPILE_CACHE = os.environ.get("GROK_RUNNER_COMPILE_CACHE") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grok-runner", "compiled")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 

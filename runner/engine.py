@@ -236,6 +236,18 @@ class Engine:
         steps, plain and, if requests may speculate, speculative; each loaded from the store in
         ``cache`` (``runner.executables``) where it holds it. Returns how many were loaded and
         compiled."""
+        prefills, decodes = self.variants(score_prompts)
+        return self.executor.compile(prefills, decodes, self.executor.store(cache), startup)
+
+    def on_demand(self, cache: Optional[str] = None) -> None:
+        """Serve without the warm-up: each variant compiled (or loaded from the store in ``cache``)
+        the first time a round calls it (``Executor.on_demand``), so a caller that uses a few
+        shapes (a test, a one-off script) compiles those alone."""
+        self.executor.on_demand(self.executor.store(cache), self.variants(False)[1])
+
+    def variants(self, score_prompts: bool) -> tuple[list, list]:
+        """The prefill shapes ``(rows, bucket, KV length, score)`` and decode calls ``(KV length,
+        steps, speculative)`` the scheduler can ask the executor for."""
         scheduler = self.scheduler
         prefills = [shape + (False,) for shape in sorted(scheduler.prefill_shapes())]
         if score_prompts:
@@ -245,7 +257,7 @@ class Engine:
         decodes = [(kv, steps[-1], 0) for kv in scheduler.kv_buckets]
         if scheduler.speculative:
             decodes += [(kv, n, scheduler.speculative) for kv in scheduler.kv_buckets for n in steps]
-        return self.executor.compile(prefills, decodes, self.executor.store(cache), startup)
+        return prefills, decodes
 
     # ---- one round: plan -> execute -> update ----------------------------------------------------
     def _round(self) -> None:

@@ -80,8 +80,9 @@ class Executor:
         self.param_shardings = param_shardings(loaded.params, self.mesh, self.rules)
         self.params = selection.backend.prepare(jax.device_put(loaded.params, self.param_shardings))
         self._build()
-        self._executables: dict[tuple, object] = {}  # each variant compiled at start (``compile``)
+        self._executables: dict[tuple, object] = {}  # each variant compiled at start (``compile``) or on demand
         self._plain_steps: dict[int, int] = {}  # KV length -> the most steps of its plain decode variant
+        self._store = None  # where a variant first called while serving is looked up and kept (``on_demand``)
         self.state = self.new_state()
 
     @classmethod
@@ -224,9 +225,7 @@ class Executor:
     def prefill_memory(self, batch: PrefillBatch, kv_len: int, score: bool = False):
         """One prefill call (``runner.steps.prefill``): the sampled tokens, each row's last logits
         (left on the device for ``fork``) and, with ``score``, its positions' ``PromptScores``."""
-        step = self._executables.get(("prefill", *batch.tokens.shape, kv_len, score))
-        if step is None:  # not compiled at start (a caller that skipped it): jitted now
-            step = self._prefill.variant(kv_len=kv_len, score=score)
+        step = self._ready(self._prefill_variant(*batch.tokens.shape, kv_len, score))
         self.state, out, logits, scores = step(self.params, self.state, batch)
         return out, logits, scores
 
@@ -244,9 +243,7 @@ class Executor:
         mask = self.no_mask if mask is None else jax.device_put(mask, self._mask_shardings)
         # a plain call runs in the variant of the most steps compiled, its count a dynamic argument
         most = steps if speculative else max(steps, self._plain_steps.get(kv_len, 0))
-        step = self._executables.get(("decode", kv_len, most, speculative))
-        if step is None:  # not compiled at start (a caller that skipped it): jitted now
-            step = self._decode.variant(**_decode_statics(kv_len, most, speculative))
+        step = self._ready(self._decode_variant(kv_len, most, speculative))
         self.state, out = step(self.params, self.state, mask, np.int32(steps))
         return out
 
@@ -294,17 +291,8 @@ class Executor:
         """``(key, name, lower)`` of each variant: a prefill per (rows, bucket, KV length, score) of
         ``prefills``, a decode per (KV length, steps, speculative) of ``decodes``, a fork and a
         release; ``lower()`` traces and lowers it (``jax.stages.Lowered``)."""
-        out = []
-        for p, t, kv, score in prefills:
-            def lower(p=p, t=t, kv=kv, score=score):
-                return self._prefill.variant(kv_len=kv, score=score).lower(self.params, self.state,
-                                                                           self.empty_batch(p, t))
-            out.append((("prefill", p, t, kv, score), f"prefill rows={p} bucket={t} kv={kv} score={score}", lower))
-        for kv, n, k in decodes:
-            def lower(kv=kv, n=n, k=k):
-                return self._decode.variant(**_decode_statics(kv, n, k)).lower(self.params, self.state, self.no_mask,
-                                                                               np.int32(n))
-            out.append((("decode", kv, n, k), f"decode kv={kv} steps={n} speculative={k}", lower))
+        out = [self._prefill_variant(*prefill) for prefill in prefills]
+        out += [self._decode_variant(*decode) for decode in decodes]
 
         def lower_fork():  # slot 0 onto itself; its logits placed like a prefill's output
             logits = jax.ShapeDtypeStruct((self.batch_size, self.config.vocab_size), np.float32,
@@ -314,6 +302,43 @@ class Executor:
         out.append((("fork",), "fork", lower_fork))
         out.append((("release",), "release", lambda: self._release.lower(self.state, np.int32(0))))
         return out
+
+    def _prefill_variant(self, rows: int, bucket: int, kv: int, score: bool):
+        def lower():
+            return self._prefill.variant(kv_len=kv, score=score).lower(self.params, self.state,
+                                                                       self.empty_batch(rows, bucket))
+        return ("prefill", rows, bucket, kv, score), f"prefill rows={rows} bucket={bucket} kv={kv} score={score}", lower
+
+    def _decode_variant(self, kv: int, steps: int, speculative: int):
+        def lower():
+            return self._decode.variant(**_decode_statics(kv, steps, speculative)).lower(
+                self.params, self.state, self.no_mask, np.int32(steps))
+        return ("decode", kv, steps, speculative), f"decode kv={kv} steps={steps} speculative={speculative}", lower
+
+    def on_demand(self, store, decodes: list[tuple[int, int, int]]) -> None:
+        """Serving without the warm-up (``compile``): each variant is made ready the first time a
+        round calls it, loaded from ``store`` (``runner.executables``; None: none) where it holds
+        it, else compiled and stored; so a caller that uses a few shapes compiles those alone. A
+        plain decode call runs in its KV length's variant of the most steps of ``decodes``, as
+        after the warm-up (one variant a KV length)."""
+        self._store = store
+        for kv, n, k in decodes:
+            if not k:
+                self._plain_steps[kv] = max(n, self._plain_steps.get(kv, 0))
+
+    def _ready(self, variant):
+        """The executable of ``variant`` (``(key, name, lower)``): compiled at start, or made
+        ready now (``on_demand``)."""
+        key, name, lower = variant
+        step = self._executables.get(key)
+        if step is None:
+            step = self._store.load(name) if self._store is not None else None
+            if step is None:
+                step = lower().compile()
+                if self._store is not None:
+                    self._store.save(name, step)
+            self._executables[key] = step
+        return step
 
     def compile(self, prefills: list[tuple[int, int, int, bool]], decodes: list[tuple[int, int, int]],
                 store=None, startup=None) -> dict:

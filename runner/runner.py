@@ -118,13 +118,17 @@ class InferenceRunner:
     # BENCHMARKS.md measures where it helps.
     speculative: int = 0
     # A directory of compiled steps (``runner.executables``): a start loads each variant it
-    # holds instead of tracing and compiling it, and stores the ones it compiles. None: off.
-    compile_cache: Optional[str] = None
+    # holds instead of tracing and compiling it, and stores the ones it compiles (without the
+    # warm-up, each as it is first called). Default: $GROK_RUNNER_COMPILE_CACHE, else None (off);
+    # the variable gives every runner of a program (or of the test suite) one store.
+    compile_cache: Optional[str] = dataclasses.field(
+        default_factory=lambda: os.environ.get("GROK_RUNNER_COMPILE_CACHE") or None)
 
     def initialize(self, warmup: bool = True, startup: Optional[Startup] = None) -> "InferenceRunner":
         """Make it ready to serve (the reference's call): restore the model onto the mesh, build the
         engine (``Engine``: scheduler, executor, output processor) and, with ``warmup``, compile
-        every variant the scheduler can ask for (or load it from ``compile_cache``). The fields
+        every variant the scheduler can ask for (or load it from ``compile_cache``); without it,
+        each variant is made ready the first time it is called (``Engine.on_demand``). The fields
         never change; the engine is attached once (``engine``). ``startup`` is told each phase
         and counts the compiled steps (``runner.startup``). Returns the runner."""
         if getattr(self, "_engine", None) is not None:
@@ -133,6 +137,8 @@ class InferenceRunner:
         object.__setattr__(self, "_engine", _build_engine(self, startup))
         if warmup:
             self.compile(startup)
+        else:
+            self.engine.on_demand(self.compile_cache)
         return self
 
     @property

@@ -23,6 +23,14 @@ _cache = os.path.join(tempfile.gettempdir(), f"grok-runner-tests-xla-{_run}") if
 jax.config.update("jax_compilation_cache_dir", _cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_compilation_cache_max_size", 8 << 30)
+# One store of compiled steps for the session (runner/executables.py), beside it and shared the
+# same way: every runner's default (InferenceRunner.compile_cache) and every command's the tests
+# start (they inherit the variable). A runner whose config, shapes and placement a test in either
+# worker already served loads those steps instead of tracing, lowering and compiling them again.
+os.environ["GROK_RUNNER_COMPILE_CACHE"] = _cache + "-steps"
+# The kernels built for another CPU than this one (-march=x86-64-v3, the AVX2 variant), by the
+# tests that check that build: one library a session, the second test loading the first's.
+OTHER_MARCH_KERNELS = _cache + "-kernels"
 
 from tests.helpers import REFERENCE  # noqa: E402
 
@@ -44,6 +52,12 @@ LONGEST_FIRST = ("test_server.py", "test_model.py", "test_bf16.py",  # 150, 150,
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: within a file, as written
+
+
+@pytest.fixture(scope="session")
+def other_march_kernels():
+    """The kernels' cache for builds with ``GROK_RUNNER_KERNEL_MARCH`` (each march keyed apart)."""
+    return OTHER_MARCH_KERNELS
 
 
 @pytest.fixture(scope="session")
@@ -90,5 +104,4 @@ def shipped_runner():
     if checkpoint is None:
         pytest.fail("the shipped model checkpoints/austen-moe is missing")
     runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint))
-    runner = runner.initialize()
-    return runner
+    return runner.initialize(warmup=False)  # each variant compiled (or loaded) as a test first calls it

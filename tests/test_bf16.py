@@ -18,6 +18,7 @@ import pytest
 from backends.cpu import CPU, OPERATIONS, build, ops
 from backends.cpu.layout import prepare
 from model.quant import dequantize, quantize, quantize_params
+from tests import COMPILE_FAST
 
 needs_kernel = pytest.mark.skipif(not build.available(), reason=f"kernels unavailable: {build.unavailable_reason()}")
 
@@ -208,13 +209,13 @@ def _flags() -> str:
 @pytest.mark.skipif(not build.bf16_dot(), reason="no AVX512-BF16 here: the native build is the fallback, "
                     "which every kernel test above runs")
 @pytest.mark.parametrize("march", ["x86-64-v3", pytest.param("skylake-avx512", marks=pytest.mark.slow)])
-def test_without_avx512_bf16_the_bf16_kernels_widen_exactly(tmp_path, march):
+def test_without_avx512_bf16_the_bf16_kernels_widen_exactly(other_march_kernels, march):
     """The kernels built for a CPU without AVX512-BF16 (AVX2, and AVX-512 without BF16) widen the
     bf16 pairs to float32 in registers: the same products, each row independent of the others."""
     if march == "skylake-avx512" and " avx512bw" not in _flags():
         pytest.skip("this CPU cannot run an AVX-512 build")
-    env = dict(os.environ, GROK_RUNNER_KERNEL_MARCH=march, GROK_RUNNER_KERNEL_CACHE=str(tmp_path),
-               JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, GROK_RUNNER_KERNEL_MARCH=march, GROK_RUNNER_KERNEL_CACHE=other_march_kernels,
+               JAX_PLATFORMS="cpu", XLA_FLAGS=COMPILE_FAST)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", FALLBACK_CHECK], env=env, cwd=root, capture_output=True, text=True,
                           timeout=300)
@@ -240,8 +241,7 @@ def bf16_runner(request, params):  # noqa: F811
                         quantize="int8" if request.param == "int8 x bf16" else None)
     r = InferenceRunner(runner=model, batch_size=4, pad_sizes=PAD_SIZES, max_num_batched_tokens=BUDGET,
                         prefix_cache_blocks=14, prefix_block_size=8)
-    r = r.initialize()
-    return r
+    return r.initialize(warmup=False)  # the variants the tests call, compiled (or loaded) as they call them
 
 
 def test_the_bf16_runner_decodes_what_the_model_does(bf16_runner):

@@ -16,6 +16,7 @@ from backends.cpu.calibration import Measurement
 from backends.cpu.layout import ExpertWeights
 from model import TINY
 from runner import Executor, ModelRunner
+from tests import COMPILE_FAST
 
 needs_kernel = pytest.mark.skipif(not build.available(), reason=f"CPU kernels: {build.unavailable_reason()}")
 
@@ -169,11 +170,11 @@ def _has_avx512() -> bool:
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v3 is an x86 target")
 @pytest.mark.skipif(not _has_avx512(), reason="no AVX-512 here: the native build is the AVX2 variant, "
                     "which every kernel test runs")
-def test_the_avx2_build_of_the_panel_kernel_is_exact(tmp_path):
+def test_the_avx2_build_of_the_panel_kernel_is_exact(other_march_kernels):
     """Built for AVX2 (``-march=x86-64-v3``; 16 vector registers, so 3 rows a pass instead of 8),
     every row count from 0 to 14 takes the blocks and remainders of that variant."""
-    env = dict(os.environ, GROK_RUNNER_KERNEL_MARCH="x86-64-v3", GROK_RUNNER_KERNEL_CACHE=str(tmp_path),
-               JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, GROK_RUNNER_KERNEL_MARCH="x86-64-v3", GROK_RUNNER_KERNEL_CACHE=other_march_kernels,
+               JAX_PLATFORMS="cpu", XLA_FLAGS=COMPILE_FAST)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, cwd=root, capture_output=True, text=True,
                           timeout=300)

@@ -8,12 +8,15 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
+from tests import COMPILE_FAST
 from tests.helpers import REFERENCE, REPO
 
-CPU_ENV = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")  # one CPU device, as a user's laptop
+# one CPU device, as a user's laptop (compiling fast, as every process of the tests: tests/__init__.py)
+CPU_ENV = dict(os.environ, XLA_FLAGS=COMPILE_FAST, JAX_PLATFORMS="cpu")
 
 
 def command(*args, cwd=REPO, timeout=300, env=CPU_ENV):
@@ -24,8 +27,9 @@ def command(*args, cwd=REPO, timeout=300, env=CPU_ENV):
 # ---- the wheel ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """The project built into a wheel and installed (not editable) in a fresh venv that sees this
-    Python's packages for its dependencies (nothing is downloaded); its ``bin/``."""
+    """The project built into a wheel and installed (not editable) in a fresh venv that sees the
+    packages this Python runs the tests with for its dependencies (nothing is downloaded); its
+    ``bin/``."""
     root = tmp_path_factory.mktemp("wheel")
     source = root / "source"  # a copy: setuptools writes build/ and *.egg-info into the tree it builds
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
@@ -35,7 +39,15 @@ def installed(tmp_path_factory):
     assert built.returncode == 0, built.stderr[-2000:]
     (wheel,) = (root / "dist").glob("*.whl")
     venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    # The dependencies are the ones the tests run with: the site-packages directories on this
+    # interpreter's path, a virtual environment's included (``--system-site-packages`` would give
+    # the base interpreter's, where a venv's packages are missing). Plain paths: their .pth files
+    # are not run, so an editable install of this checkout does not shadow the wheel.
+    purelib = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    outer = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages") and os.path.isdir(p)]
+    (Path(purelib) / "_tests_dependencies.pth").write_text("".join(p + "\n" for p in outer))
     done = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "-q",
                            "--disable-pip-version-check", str(wheel)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -35,7 +35,7 @@ def make_runner(path, **fields):
     model = {key: fields.pop(key) for key in ("kv_dtype",) if key in fields}
     runner = InferenceRunner(runner=ModelRunner(checkpoint_path=path, **model), batch_size=4, pad_sizes=PAD_SIZES,
                              max_num_batched_tokens=32, **fields)
-    return runner.initialize()
+    return runner.initialize(warmup=False)  # the variants the tests call, compiled (or loaded) as they call them
 
 
 @pytest.fixture(scope="module")

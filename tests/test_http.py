@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -25,8 +24,6 @@ KEY = "abuse-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 READ_TIMEOUT = 1.5
 FILE_LIMIT = 256  # the soft limit the server starts with; it raises it to the hard limit
-# one compilation cache for this module's servers: the second one starts without compiling
-COMPILE_CACHE = tempfile.mkdtemp(prefix="grok-runner-serve-xla-")
 
 
 class ServeProcess:
@@ -40,10 +37,12 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / f"serve-{self.port}.log"
         self.log_file = open(self.log_path, "w")
-        env = dict(os.environ, XLA_FLAGS=COMPILE_FAST)  # one CPU device, as a user runs it
+        # one CPU device, as a user runs it; its compiled steps in the session's store
+        # ($GROK_RUNNER_COMPILE_CACHE, tests/conftest.py): a later start of the same settings loads them
+        env = dict(os.environ, XLA_FLAGS=COMPILE_FAST)
         self.proc = subprocess.Popen(  # bash lowers the soft file limit, then becomes the server
             ["bash", "-c", f'ulimit -Sn {FILE_LIMIT} && exec "$0" "$@"', sys.executable, str(REPO / "run.py"), "serve", "--checkpoint", checkpoint, "--port", str(self.port),
-             "--batch-size", "2", "--max-waiting", "4", "--api-key", KEY, "--compile-cache", COMPILE_CACHE,
+             "--batch-size", "2", "--max-waiting", "4", "--api-key", KEY,
              "--max-scored-tokens", "0", "--pad-sizes", "16,64", *flags],  # fewer variants to compile;
             # echo is refused by its size, scored or not
             cwd=str(REPO), env=env, stdout=self.log_file, stderr=subprocess.STDOUT)
@@ -308,7 +307,7 @@ def test_serve_caches_prefixes_and_reports_them(serve):
 def test_sigterm_with_a_stalled_upload_exits(serve, tmp_path):
     """A stalled upload (with a long read timeout) does not hold the process: it exits within
     the drain timeout plus a few seconds, rc 0, and says what it ended. (It is the module's second
-    start of the same model and settings, after ``serve``'s, with the same compile cache: that
+    start of the same model and settings, after ``serve``'s, with the session's compile cache: that
     start compiles nothing, counted, and reads the kernels' calibration from their cache.)"""
     process = ServeProcess(tmp_path, "--read-timeout", "120", "--shutdown-timeout", "2")
     try:

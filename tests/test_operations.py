@@ -41,10 +41,12 @@ def served(runner, **kwargs):
         live.stop()
 
 
-def wait_for(condition, what: str, limit: float = 30.0) -> None:
+def wait_for(condition, what, limit: float = 30.0) -> None:
+    """Until ``condition()``; ``what`` (a string, or a callable giving one when it fails: the
+    state then, not the state when the wait began) says what did not happen."""
     deadline = time.time() + limit
     while not condition():
-        assert time.time() < deadline, what
+        assert time.time() < deadline, what() if callable(what) else what
         time.sleep(0.02)
 
 
@@ -138,7 +140,7 @@ def test_the_access_log_has_a_line_per_request_when_on_and_none_when_off(shipped
 
     with served(shipped_runner, api_key=KEY, access_log=True) as (_, live):
         whole_id, streamed_id = requests(live)
-        wait_for(lambda: len(lines()) == 5, f"not 5 access lines: {lines()}")
+        wait_for(lambda: len(lines()) == 5, lambda: f"not 5 access lines: {lines()}")
     address = r'127\.0\.0\.1:\d+ '
     ms = r' \d+\.\d ms'
     for line, pattern in zip(lines(), [
@@ -168,10 +170,10 @@ def test_the_stats_line_reports_load_and_throughput_while_there_is_activity(ship
         for t in threads:
             t.join()
 
-        def idle_lines():  # since the last line at info
+        def idle_lines():  # lines after the last one at info (0: none at info yet)
             levels = [level for level, _ in stats()]
-            return len(levels) - 1 - levels[::-1].index(logging.INFO) if logging.INFO in levels else 0
-        wait_for(lambda: idle_lines() >= 3, f"no activity, or no idle lines after it: {stats()}")
+            return levels[::-1].index(logging.INFO) if logging.INFO in levels else 0
+        wait_for(lambda: idle_lines() >= 3, lambda: f"no activity, or no idle lines after it: {stats()}")
     parsed = [(level, STATS.fullmatch(text)) for level, text in stats()]
     assert all(match for _, match in parsed), stats()
     numbers = [(level, [float(x) for x in match.groups()]) for level, match in parsed]

@@ -57,8 +57,7 @@ def _runner(params, tokenizer, batch_size=4):
     r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=batch_size,
                         pad_sizes=(8, 16, 32), tokenizer_path=tokenizer, max_num_batched_tokens=32,
                         score_prompts=True)
-    r = r.initialize()
-    return r
+    return r.initialize(warmup=False)  # the variants the tests call, compiled (or loaded) as they call them
 
 
 @pytest.fixture(scope="module")
@@ -591,8 +590,7 @@ def multihost_runner(tokenizer):
     # one bucket under a 16-token budget: one prefill variant to compile (each process compiles its own)
     runner = InferenceRunner(runner=ModelRunner(model=MULTIHOST, params=multihost_params()), batch_size=4, pad_sizes=(16,),
                              mesh=make_mesh((2, 4)), tokenizer_path=tokenizer, max_num_batched_tokens=16)
-    runner = runner.initialize()
-    return runner
+    return runner.initialize(warmup=False)
 
 
 def test_two_processes_behind_one_server(test_tokenizer):

@@ -165,7 +165,7 @@ def test_meshes_match_single_device(shard_params, plain_params, single_device, s
     assert_close_fp32(np.asarray(logits), want_logits)
     runner = InferenceRunner(runner=ModelRunner(model=SHARD, params=shard_params), batch_size=8,
                              pad_sizes=(8, 16), mesh=mesh, max_num_batched_tokens=BUDGET)
-    runner = runner.initialize()
+    runner = runner.initialize(warmup=False)  # the variants it serves, as it calls them (single_device compiles all)
     engine = runner.engine.executor
     assert generate(runner) == want_tokens
     # outputs carry the declared shardings: on a mesh the canonical stacked weights with their
@@ -255,7 +255,7 @@ def multihost_case():
     params = jax.tree_util.tree_map(np.asarray, lively(init_params(MULTIHOST, jax.random.PRNGKey(5))))
     runner = InferenceRunner(runner=ModelRunner(model=MULTIHOST, params=params), batch_size=4,
                              pad_sizes=(8, 16), mesh=make_mesh((2, 4)), max_num_batched_tokens=BUDGET)
-    runner = runner.initialize()
+    runner = runner.initialize(warmup=False)  # the variants it serves, as it calls them
     requests = [Request(p, temperature=0.0, max_len=10) for p in PROMPTS[:3]]
     requests.append(Request(PROMPTS[3], temperature=1.0, rng_seed=11, max_len=10))
     return [c.token_ids for c in runner.generate(requests)]

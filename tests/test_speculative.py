@@ -93,7 +93,7 @@ def runners(params, test_tokenizer):
     def make(speculative):
         runner = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=3,
                                  pad_sizes=(16, 32), speculative=speculative, tokenizer_path=test_tokenizer)
-        runner = runner.initialize()
+        runner = runner.initialize(warmup=False)  # the variants the tests call, as they call them
         return runner
 
     return make(0), make(4)
