@@ -147,6 +147,21 @@ class ExecutableStore:
             log.warning("compiled step %s unusable (%s: %s): compiling it", file, type(e).__name__, e)
             return None
 
+    def compile(self, name: str, lowered):
+        """``lowered.compile()``, stored as ``name`` unless JAX took it from its persistent
+        compilation cache: such an executable does not survive a second serialisation (jaxlib
+        0.10.2: loaded again, its calls fail with ``NOT_FOUND: Function ... not found``), so it is
+        only used. A hit on another thread meanwhile only skips a store, never stores a bad one."""
+        from runner.compile_count import cache_hits
+
+        hits = cache_hits()
+        compiled = lowered.compile()
+        if cache_hits() == hits:
+            self.save(name, compiled)
+        else:
+            log.debug("compiled step %s came from JAX's compilation cache: not stored", name)
+        return compiled
+
     def save(self, name: str, compiled) -> None:
         """Store ``compiled`` as ``name`` (written to a temporary file, then renamed: a reader
         never sees half a file). A step that cannot be serialised is only logged."""

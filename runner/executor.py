@@ -334,9 +334,7 @@ class Executor:
         if step is None:
             step = self._store.load(name) if self._store is not None else None
             if step is None:
-                step = lower().compile()
-                if self._store is not None:
-                    self._store.save(name, step)
+                step = lower().compile() if self._store is None else self._store.compile(name, lower())
             self._executables[key] = step
         return step
 
@@ -377,7 +375,7 @@ class Executor:
 
         def build(item):
             key, name, lowered = item
-            compiled = lowered.compile()
+            compiled = lowered.compile() if store is None else store.compile(name, lowered)
             step()
             return key, name, compiled
 
@@ -386,8 +384,6 @@ class Executor:
             for future in futures:
                 key, name, compiled = future.result()
                 self._executables[key] = compiled
-                if store is not None:
-                    store.save(name, compiled)
         return {"loaded": loaded, "compiled": len(missing)}
 
 

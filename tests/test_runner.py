@@ -145,6 +145,44 @@ def test_no_compilation_after_warmup(runner):
     assert compilations() == before
 
 
+def test_without_the_warmup_each_variant_is_compiled_when_first_called_and_kept_in_the_store(runner, params,
+                                                                                             tmp_path):
+    """``initialize(warmup=False)``: a variant is compiled the first time a round calls it and kept
+    in ``compile_cache``; a second runner of the same model loads it and compiles nothing, and all
+    give the warmed-up runner's tokens. An executable JAX took from its persistent compilation
+    cache (as the session runner's programs are here) is used but never stored: serialised again,
+    its calls failed (NOT_FOUND) once loaded."""
+    def make(store):
+        return InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=4, pad_sizes=PAD_SIZES,
+                               max_num_batched_tokens=BUDGET, compile_cache=str(store)).initialize(warmup=False)
+
+    def tokens(r):
+        done = r.generate(prompts, temperature=0.0, max_len=6)
+        assert all(c.error is None for c in done), [c.error for c in done]
+        return [c.token_ids for c in done]
+
+    prompts = [[5, 6, 7], list(range(10, 30))]  # buckets 8 and 32: two of the prefill shapes, not all
+    want = tokens(runner)
+    hits = tmp_path / "hits"  # the session runner compiled every program: each compile is a cache hit
+    assert tokens(make(hits)) == want and not list(hits.rglob("*.exe"))
+    assert tokens(make(hits)) == want
+    store = tmp_path / "store"
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        first = make(store)
+        assert not list(store.rglob("*.exe"))  # nothing compiled at start
+        assert tokens(first) == want
+        stored = sorted(store.rglob("*.exe"))
+        variants = len(first.engine.executor.variants(*first.engine.variants(False)))
+        assert 0 < len(stored) < variants  # the ones called, each once
+        compilations()
+        before = compilations()
+        assert tokens(make(store)) == want
+        assert compilations() == before and sorted(store.rglob("*.exe")) == stored
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+
+
 def test_nothing_compiles_while_serving_any_feature(params, test_tokenizer):
     """Every variant a request can reach is compiled at start: counted from the end of
     ``initialize`` (no warm-up request), a load that cancels waiting and running requests, forks
