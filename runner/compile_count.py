@@ -1,4 +1,5 @@
-"""Count XLA compilations in this process (for run.py's summary and the no-recompile tests).
+"""Count XLA compilations in this process (for run.py's summary and the no-recompile tests), and
+the runner's own steps compiled (the test suite's budget of them a file: tests/conftest.py).
 
 It registers one listener on JAX's monitoring events the first time it is used; nothing else
 about JAX's behaviour changes.
@@ -42,3 +43,18 @@ def cache_hits() -> int:
     """Of ``compilations()``, those loaded from the persistent compilation cache."""
     compilations()
     return _hits
+
+
+_steps = 0
+
+
+def step_compiled() -> None:
+    """The executor compiled one of its steps (a prefill or decode variant), not loaded it."""
+    global _steps
+    _steps += 1
+
+
+def steps_compiled() -> int:
+    """The runner's steps compiled in this process (``runner.executor``: at start or on demand);
+    those loaded from a store of compiled steps are not counted."""
+    return _steps

@@ -44,6 +44,7 @@ from model.transformer import LanguageModel
 from runner.batches import empty_batch
 from runner.model_runner import ModelRunner
 from runner.sampling import SampleOutput, SampleSettings
+from runner.compile_count import step_compiled
 from runner.executables import open_store, stable_repr, tree_signature
 from runner.selection import BACKENDS, Selection, choose, one_cpu_device, start
 from runner.startup import Startup
@@ -335,6 +336,7 @@ class Executor:
             step = self._store.load(name) if self._store is not None else None
             if step is None:
                 step = lower().compile() if self._store is None else self._store.compile(name, lower())
+                step_compiled()
             self._executables[key] = step
         return step
 
@@ -376,6 +378,7 @@ class Executor:
         def build(item):
             key, name, lowered = item
             compiled = lowered.compile() if store is None else store.compile(name, lowered)
+            step_compiled()
             step()
             return key, name, compiled
 

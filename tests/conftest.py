@@ -39,14 +39,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a test taking more than a few seconds")
 
 
-# The files that take longest, first (serial seconds of the default run on a 2-core EPYC,
-# 2026-12-02): pytest-xdist hands whole files to its workers in collection order, and a long file
-# started last keeps one worker busy while the other idles. The rest keep their order.
-LONGEST_FIRST = ("test_server.py", "test_model.py", "test_bf16.py",  # 150, 150, 150 (test_bf16: 2026-12-03)
-                 "test_http.py", "test_kv_int8.py",  # 70, 70
-                 "test_grok2_serving.py", "test_grok2.py",  # 90, 45 (2026-12-04)
-                 "test_sampling.py", "test_reference_parity.py", "test_chat_page.py",  # 64, 60, 40 (its server)
-                 "test_core.py", "test_prefix_cache.py")  # 40, 35
+# The files that take longest, first (serial seconds of the default run on a 2-core Xeon with
+# AVX-512, 2026-12-05): pytest-xdist hands whole files to its workers in collection order, and a
+# long file started last keeps one worker busy while the other idles. The rest keep their order.
+LONGEST_FIRST = ("test_bf16.py", "test_model.py", "test_server.py", "test_cpu_backend.py",  # 136, 131, 72, 71
+                 "test_sampling.py", "test_kv_int8.py", "test_speculative.py", "test_command.py",  # 51, 51, 50, 49
+                 "test_grok2_serving.py", "test_sharding.py", "test_tools.py", "test_grok2.py",  # 47, 46, 41, 41
+                 "test_http.py", "test_default_model.py", "test_runner.py", "test_calibration.py")  # 41, 39, 39, 38
 
 
 def pytest_collection_modifyitems(items):
