@@ -55,7 +55,9 @@ def test_run_py_uses_the_default_model(capsys):
     sys.path.insert(0, str(REPO))
     import run
 
-    assert run.main(["--prompt", "Mr. Darcy", "--max-tokens", "12", "--seed", "1", "--compile-cache", "off"]) == 0
+    # its compiled steps in the session's store ($GROK_RUNNER_COMPILE_CACHE): those the shipped
+    # runner's tests compiled are loaded
+    assert run.main(["--prompt", "Mr. Darcy", "--max-tokens", "12", "--seed", "1"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("Mr. Darcy") and len(out.split()) > 4
     assert "time to first token" in err and "compilations" in err

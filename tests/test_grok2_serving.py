@@ -75,7 +75,9 @@ def tokens_by_request(stream):
     return out
 
 
-@pytest.mark.parametrize("which", ["runner", "int8_runner"])
+# int8_runner with -m slow: its cheaper siblings in the default run are the case of runner here
+# (Grok-2's steps) and tests/test_kv_int8.py's neighbours test (the int8 cache's)
+@pytest.mark.parametrize("which", ["runner", pytest.param("int8_runner", marks=pytest.mark.slow)])
 def test_each_request_alone_equals_among_many(request, which):
     r = request.getfixturevalue(which)
     requests = mixed_requests(12, offset=10 if which == "runner" else 40)

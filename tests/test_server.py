@@ -57,7 +57,8 @@ def _runner(params, tokenizer, batch_size=4):
     r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=batch_size,
                         pad_sizes=(8, 16, 32), tokenizer_path=tokenizer, max_num_batched_tokens=32,
                         score_prompts=True)
-    return r.initialize(warmup=False)  # the variants the tests call, compiled (or loaded) as they call them
+    # warmed up: its clients (httpx's default 5 s timeout among them) never wait on a compile
+    return r.initialize()
 
 
 @pytest.fixture(scope="module")
