@@ -48,6 +48,32 @@ LONGEST_FIRST = ("test_bf16.py", "test_model.py", "test_server.py", "test_cpu_ba
                  "test_http.py", "test_default_model.py", "test_runner.py", "test_calibration.py")  # 41, 39, 39, 38
 
 
+# The suite's shape, guarded without a clock (docs/testing.md): how many of the runner's steps
+# (prefill and decode variants, about 1-2 s of compiling each) each file may compile, session
+# fixtures it builds first included; a step loaded from the session's store is not compiled. Set
+# on 2026-12-05 from the counts of a default run (docs/testing.md) with headroom. A file over its
+# budget fails at its end, naming the count: compile fewer shapes (a runner without the warm-up
+# compiles what its tests call), share a runner or a server, or raise its line here saying why.
+STEP_BUDGET = {"test_runner.py": 40, "test_server.py": 24, "test_default_model.py": 24, "test_grok2_serving.py": 24,
+               "test_core.py": 20, "test_bf16.py": 20}  # 23, 17, 13, 13, 10, 10 measured (the shipped runner's 6 included)
+DEFAULT_STEP_BUDGET = 16  # every other file (at most 7 measured)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def step_budget(request):
+    """Counts the module's compiled steps; over its ``STEP_BUDGET`` the module fails at its end.
+    Only in the default run (``-m slow`` compiles the heaviest cases on purpose)."""
+    from runner.compile_count import steps_compiled
+
+    before = steps_compiled()
+    yield
+    if request.config.getoption("markexpr") != "not slow":
+        return
+    used, budget = steps_compiled() - before, STEP_BUDGET.get(request.path.name, DEFAULT_STEP_BUDGET)
+    assert used <= budget, (f"{request.path.name} compiled {used} of the runner's steps, over its budget of "
+                            f"{budget} (tests/conftest.py's STEP_BUDGET): compile fewer shapes or share a runner")
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: within a file, as written
