@@ -42,9 +42,9 @@ from model.sharding import (DEFAULT_RULES, KV_MEMORY_AXES, activation_sharding, 
                             param_shardings, spec_for)
 from model.transformer import LanguageModel
 from runner.batches import empty_batch
+from runner.compile_count import step_compiled
 from runner.model_runner import ModelRunner
 from runner.sampling import SampleOutput, SampleSettings
-from runner.compile_count import step_compiled
 from runner.executables import open_store, stable_repr, tree_signature
 from runner.selection import BACKENDS, Selection, choose, one_cpu_device, start
 from runner.startup import Startup
@@ -226,7 +226,7 @@ class Executor:
     def prefill_memory(self, batch: PrefillBatch, kv_len: int, score: bool = False):
         """One prefill call (``runner.steps.prefill``): the sampled tokens, each row's last logits
         (left on the device for ``fork``) and, with ``score``, its positions' ``PromptScores``."""
-        step = self._ready(self._prefill_variant(*batch.tokens.shape, kv_len, score))
+        step = self._ready(("prefill", *batch.tokens.shape, kv_len, score), self._prefill_variant)
         self.state, out, logits, scores = step(self.params, self.state, batch)
         return out, logits, scores
 
@@ -244,7 +244,7 @@ class Executor:
         mask = self.no_mask if mask is None else jax.device_put(mask, self._mask_shardings)
         # a plain call runs in the variant of the most steps compiled, its count a dynamic argument
         most = steps if speculative else max(steps, self._plain_steps.get(kv_len, 0))
-        step = self._ready(self._decode_variant(kv_len, most, speculative))
+        step = self._ready(("decode", kv_len, most, speculative), self._decode_variant)
         self.state, out = step(self.params, self.state, mask, np.int32(steps))
         return out
 
@@ -327,16 +327,16 @@ class Executor:
             if not k:
                 self._plain_steps[kv] = max(n, self._plain_steps.get(kv, 0))
 
-    def _ready(self, variant):
-        """The executable of ``variant`` (``(key, name, lower)``): compiled at start, or made
-        ready now (``on_demand``)."""
-        key, name, lower = variant
+    def _ready(self, key: tuple, variant):
+        """The executable of ``key``: compiled at start, or made ready now (``on_demand``) from
+        ``variant(*key[1:])``'s ``(key, name, lower)``, built only then (a call's only host work
+        here is the lookup)."""
         step = self._executables.get(key)
         if step is None:
+            _, name, lower = variant(*key[1:])
             step = self._store.load(name) if self._store is not None else None
             if step is None:
-                step = lower().compile() if self._store is None else self._store.compile(name, lower())
-                step_compiled()
+                step = _compiled(self._store, name, lower())
             self._executables[key] = step
         return step
 
@@ -377,8 +377,7 @@ class Executor:
 
         def build(item):
             key, name, lowered = item
-            compiled = lowered.compile() if store is None else store.compile(name, lowered)
-            step_compiled()
+            compiled = _compiled(store, name, lowered)
             step()
             return key, name, compiled
 
@@ -388,6 +387,12 @@ class Executor:
                 key, name, compiled = future.result()
                 self._executables[key] = compiled
         return {"loaded": loaded, "compiled": len(missing)}
+
+
+def _compiled(store, name: str, lowered):
+    """``lowered`` compiled, and kept in ``store`` (``ExecutableStore.compile``) if there is one."""
+    step_compiled()
+    return lowered.compile() if store is None else store.compile(name, lowered)
 
 
 def _zeros(abstract, shardings):
