@@ -47,10 +47,11 @@ def pytest_configure(config):
 # The files that take longest, first (serial seconds of the default run on a 2-core Xeon with
 # AVX-512, 2026-12-05): pytest-xdist hands whole files to its workers in collection order, and a
 # long file started last keeps one worker busy while the other idles. The rest keep their order.
-LONGEST_FIRST = ("test_bf16.py", "test_model.py", "test_server.py", "test_cpu_backend.py",  # 136, 131, 72, 71
-                 "test_sampling.py", "test_kv_int8.py", "test_speculative.py", "test_command.py",  # 51, 51, 50, 49
-                 "test_grok2_serving.py", "test_sharding.py", "test_tools.py", "test_grok2.py",  # 47, 46, 41, 41
-                 "test_http.py", "test_default_model.py", "test_runner.py", "test_calibration.py")  # 41, 39, 39, 38
+LONGEST_FIRST = ("test_bf16.py", "test_server.py", "test_model.py", "test_tools.py",  # 72, 67, 59, 50
+                 "test_http.py", "test_kv_int8.py", "test_command.py", "test_runner.py",  # 46, 43, 42, 42
+                 "test_runner_reference.py", "test_reference_parity.py", "test_sharding.py",  # 41, 36, 29
+                 "test_default_model.py", "test_grok2.py", "test_malformed.py", "test_speculative.py",  # 29, 28, 28, 28
+                 "test_cpu_backend.py", "test_checkpoints.py", "test_core.py", "test_prefix_cache.py")  # 27, 23, 21, 21
 
 
 # The suite's shape, guarded without a clock (docs/testing.md): how many of the runner's steps
