@@ -237,14 +237,20 @@ def test_a_mesh_on_too_few_devices_says_how_many_it_needs_and_how_to_get_them():
 
 
 @pytest.mark.slow
-def test_crlf_prompts_lose_the_cr_and_ctrl_c_ends_with_the_summary_and_exit_130():
+def test_crlf_prompts_lose_the_cr_and_ctrl_c_ends_with_the_summary_and_exit_130(tmp_path):
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     crlf = subprocess.run([sys.executable, "run.py", "--max-tokens", "2", "--temperature", "0"], cwd=ROOT, env=env,
                           input="It is a truth\r\nEmma\r\n", capture_output=True, text=True, timeout=300)
     assert crlf.returncode == 0 and "\r" not in crlf.stdout and "[0] It is a truth" in crlf.stdout
-    job = subprocess.Popen([sys.executable, "run.py", "--max-tokens", "200", "--prompt", "It is"], cwd=ROOT, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert job.stdout.read(5)  # the first streamed text
+    # Ctrl-C while prompts are still generated, whatever the machine's speed: 400 prompts of 200
+    # tokens print far more than a pipe holds (64 KiB), so the command blocks writing until the
+    # test reads on and cannot finish first (one streamed prompt of 200 tokens could: the kernels
+    # decode it in a fifth of a second, less than a loaded machine may take to send the signal)
+    (tmp_path / "prompts.txt").write_text("It is\n" * 400)
+    with open(tmp_path / "prompts.txt") as prompts:
+        job = subprocess.Popen([sys.executable, "run.py", "--max-tokens", "200"], cwd=ROOT, env=env, stdin=prompts,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert job.stdout.read(5) == "[0] I"  # the first prompt's text
     job.send_signal(signal.SIGINT)
     out, err = job.communicate(timeout=120)
     assert job.returncode == 130 and "Traceback" not in err and "interrupted: time to first token" in err
