@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 
 import jax
@@ -27,14 +28,22 @@ from model.sharding import DEFAULT_RULES, KV_MEMORY_AXES, param_specs, spec_for
 GROK1_SCALE_GROUPS = {"multi_head_attention/linear": 8, "moe/linear_1": 8}
 
 
+@functools.lru_cache(maxsize=16)
+def _float_shapes(config: ModelConfig):
+    """The float32 parameters' shapes, from an abstract init (nothing allocated). Kept per config:
+    tracing the init of Grok-1's 64 layers takes about a second, and every checkpoint load checks
+    its tensors against these shapes (so do the plans)."""
+    from model.transformer import init_params
+
+    return jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
+
+
 def abstract_params(config: ModelConfig, *, quantized: bool = False, scale_dtype=jnp.bfloat16,
                     scale_groups: dict | None = None):
     """ShapeDtypeStructs of the parameters: float32, or int8 matrices as in the Grok-1 release."""
-    from model.transformer import init_params
-
-    shapes = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
+    shapes = _float_shapes(config)
     if not quantized:
-        return shapes
+        return jax.tree_util.tree_map(lambda leaf: leaf, shapes)  # the caller's own tree
     groups = GROK1_SCALE_GROUPS if scale_groups is None else scale_groups
 
     def to_int8(path, leaf):
