@@ -40,7 +40,7 @@ import numpy as np
 from backends import XLA
 from bench.common import expected_experts, median_time
 from model import GROK_1, TINY, forward, new_memory
-from model.layers import MoELayer
+from model.layers import MoELayer, gelu
 from model.plan import abstract_params
 
 
@@ -103,7 +103,7 @@ def dense_moe(config):
         combine = jnp.einsum("Mk,MkE->ME", gates.astype(x_MD.dtype),
                              jax.nn.one_hot(idx, config.num_experts, dtype=x_MD.dtype))
         w = {name: params[name]["w"].astype(x_MD.dtype) for name in ("linear", "linear_v", "linear_1")}
-        hidden = jax.nn.gelu(jnp.einsum("MD,EDF->EMF", x_MD, w["linear"]), approximate=True) * jnp.einsum(
+        hidden = gelu(jnp.einsum("MD,EDF->EMF", x_MD, w["linear"]), config.activation) * jnp.einsum(
             "MD,EDF->EMF", x_MD, w["linear_v"])
         return jnp.einsum("ME,EMD->MD", combine, jnp.einsum("EMF,EFD->EMD", hidden, w["linear_1"]))
     return run

@@ -193,7 +193,15 @@ def config_from_hf(data: dict, source: str, dtype: str | None = None) -> ModelCo
         fprop_dtype=dtype or (torch_dtype if torch_dtype in ("float32", "bfloat16") else "bfloat16"),
         **rope,
     )
+    # Grok-2's GELU is the exact one sglang's kernels compute; Grok-1's the tanh one of its
+    # published code (docs/grok2.md §2). sglang reads no hidden_act for either, nor does this.
+    fields["activation"] = "gelu_erf" if residual_moe else "gelu_tanh"
+    # Keys are masked by their id only where a Grok-1 config names a pad id (its reference's mask);
+    # sglang masks Grok-2's by position alone, whatever its pad_token_id (docs/grok2.md §11).
+    fields["pad_token"] = None
     for key, field in (("pad_token_id", "pad_token"), ("bos_token_id", "bos_token"), ("eos_token_id", "eos_token")):
+        if field == "pad_token" and residual_moe:
+            continue
         value = data.get(key)
         if isinstance(value, list):
             value = value[0] if value else None

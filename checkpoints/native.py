@@ -58,6 +58,11 @@ def config_from_json(data: dict, source: str) -> ModelConfig:
     unknown = sorted(str(k)[:80] for k in set(data) - fields - {"format"})
     if unknown:
         raise CheckpointError(f"{source}: unknown config fields {unknown}")
+    if data.get("variant") == "grok-2" and "activation" not in data:
+        # A Grok-2 config that names no activation predates the field: Grok-2 is what sglang
+        # computes, the erf GELU, its keys masked by position (the pad id 0 such files carry was
+        # a default, never Grok-2's: docs/grok2.md §2, §11).
+        data.update(activation="gelu_erf", pad_token=None)
     try:
         config = ModelConfig(**{k: v for k, v in data.items() if k in fields})
     except (TypeError, ValueError, OverflowError) as e:

@@ -23,6 +23,9 @@ VARIANTS = ("grok-1", "grok-2")
 # RoPE scalings (docs/grok2.md §3): none; YaRN's blend of interpolated and original frequencies,
 # linear ("yarn") or in log space ("yarn_log"), as sglang's ScalingRotaryEmbedding computes them
 ROPE_SCALINGS = ("none", "yarn", "yarn_log")
+# The GeGLU's GELU (docs/grok2.md §2): Grok-1's published code, ``jax.nn.gelu``'s tanh
+# approximation; Grok-2 as sglang's kernels compute it, the exact erf form.
+ACTIVATIONS = ("gelu_tanh", "gelu_erf")
 
 
 def ffn_size(emb_size: int, widening_factor: float) -> int:
@@ -52,7 +55,10 @@ class ModelConfig:
     embedding_multiplier_scale: float
     output_multiplier_scale: float
     attn_output_multiplier: float
-    pad_token: int = 0
+    # The padding id: a forward without memory hides every key of this id, as Grok-1's reference
+    # does (docs/grok1.md §3.1). None: keys are masked by position only, as sglang masks Grok-2's
+    # (docs/grok2.md §11); the KV-memory paths always mask by position.
+    pad_token: int | None = 0
     eos_token: int = 2
     bos_token: int = 1
     # Grok-1 fixed constants (docs/grok1.md §1), kept as fields so they are visible and checkable.
@@ -84,6 +90,8 @@ class ModelConfig:
     rope_beta_slow: float = 1.0
     # Grok-1 unembeds with the embedding table; False: an output table of its own (``lm_head``).
     tie_embeddings: bool = True
+    # The experts' and the shared MLP's GELU (ACTIVATIONS).
+    activation: str = "gelu_tanh"
 
     def __post_init__(self):
         positive = (
@@ -111,7 +119,9 @@ class ModelConfig:
                 f"num_experts ({self.num_experts})")
         for name in ("pad_token", "eos_token", "bos_token"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or not 0 <= value < self.vocab_size:
+            if name == "pad_token" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < self.vocab_size:
                 raise ValueError(f"ModelConfig.{name} must be a token id in [0, {self.vocab_size}), got {value!r}")
         if self.fprop_dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.fprop_dtype must be one of {sorted(_DTYPES)}, got {self.fprop_dtype!r}")
@@ -142,6 +152,8 @@ class ModelConfig:
                     raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"ModelConfig.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -276,7 +288,8 @@ GROK_2 = ModelConfig(
     final_logit_cap=50.0,
     attn_temperature_len=1024,
     tie_embeddings=False,
-    pad_token=0,
+    activation="gelu_erf",  # sglang's kernels (docs/grok2.md §2)
+    pad_token=None,  # its config names none; <|pad|> is a tokenizer's token like another
     bos_token=1,
     eos_token=2,
 )
@@ -299,6 +312,8 @@ TINY_GROK2 = dataclasses.replace(
     attn_logit_cap=3.0,
     attn_temperature_len=8,
     tie_embeddings=False,
+    activation="gelu_erf",
+    pad_token=None,
 )
 
 PRESETS = {"grok-1": GROK_1, "grok-1-reference-tiny": GROK_1_REFERENCE_TINY, "tiny": TINY,

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.config import ModelConfig
+from model.config import ACTIVATIONS, ModelConfig
 from model.memory import write_kv
 from model.quant import QuantizedWeight8bit, dequantize
 from model.partitioning import constrain
@@ -143,6 +143,15 @@ def attention_temperature(positions_BT, length: int):
     return jnp.where(positions_BT > length, jnp.log2(jnp.maximum(p_BT, 1.0)) / math.log2(length), 1.0)
 
 
+def gelu(x, activation: str):
+    """The GeGLU's GELU (``ModelConfig.activation``): ``"gelu_tanh"``, the tanh approximation
+    Grok-1's published code computes (``jax.nn.gelu``'s default); ``"gelu_erf"``, the exact
+    ``x * Phi(x)`` of sglang's Grok-2 kernels (docs/grok2.md §2)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return jax.nn.gelu(x, approximate=activation == "gelu_tanh")
+
+
 class MultiHeadAttention(nn.Module):
     """Grouped-query attention with RoPE, Grok-1's logit soft-cap and an optional KV cache; the
     projections and the attention itself are the backend's."""
@@ -197,7 +206,8 @@ class MultiHeadAttention(nn.Module):
 class MoELayer(nn.Module):
     """Top-k mixture of GeGLU experts (docs/grok1.md §3.6).
 
-    Experts are ``down(gelu_tanh(x @ linear) * (x @ linear_v))`` with ``linear_1`` as ``down``; the
+    Experts are ``down(gelu(x @ linear) * (x @ linear_v))`` with ``linear_1`` as ``down`` (the
+    config's ``activation``; Grok-1's tanh-approximated); the
     output is ``sum_j gate_j * expert_{idx_j}(x)`` with the raw (not renormalised) top-k router
     probabilities as gates. One way to compute it (``moe``): route, sort the (token, expert)
     pairs by expert, three grouped matmuls of the backend, combine. Each expert computes exactly
@@ -223,11 +233,11 @@ class MoELayer(nn.Module):
         gates_Mk = gates_BTk.astype(dtype).reshape(b * t, top)
         valid_M = None if valid_BT is None else valid_BT.reshape(b * t)
         out_MD = moe(x_BTD.reshape(b * t, d), gates_Mk, idx_BTk.reshape(b * t, top), weights, self.backend, dtype,
-                     valid_M)
+                     valid_M, activation=c.activation)
         return out_MD.reshape(b, t, d).astype(dtype)
 
 
-def moe(x_MD, gates_Mk, idx_Mk, weights, backend, dtype, valid_M=None):
+def moe(x_MD, gates_Mk, idx_Mk, weights, backend, dtype, valid_M=None, *, activation: str = "gelu_tanh"):
     """``sum_j gate_j * expert_{idx_j}(x)`` for ``weights = (gate, up, down)``, stacked ``[E, ., .]``
     (or in the backend's layout).
 
@@ -250,7 +260,7 @@ def moe(x_MD, gates_Mk, idx_Mk, weights, backend, dtype, valid_M=None):
     sizes_E = jnp.zeros((num_experts,), jnp.int32).at[expert_R].add(1, mode="drop")  # expert E counts nowhere
     tok_R = order_R // top
     x_RD = x_MD[tok_R]
-    hidden_RF = (jax.nn.gelu(backend.grouped_matmul(x_RD, gate, sizes_E, dtype), approximate=True)
+    hidden_RF = (gelu(backend.grouped_matmul(x_RD, gate, sizes_E, dtype), activation)
                  * backend.grouped_matmul(x_RD, up, sizes_E, dtype))
     y_RD = backend.grouped_matmul(hidden_RF, down, sizes_E, dtype)
     y_RD = y_RD.astype(jnp.float32) * gates_Mk.reshape(-1)[order_R][:, None].astype(jnp.float32)
@@ -258,7 +268,7 @@ def moe(x_MD, gates_Mk, idx_Mk, weights, backend, dtype, valid_M=None):
 
 
 class DenseMLP(nn.Module):
-    """Grok-2's shared MLP beside the experts: the experts' GeGLU, ``linear_1(gelu_tanh(x @ linear)
+    """Grok-2's shared MLP beside the experts: the experts' GeGLU, ``linear_1(gelu(x @ linear)
     * (x @ linear_v))``, dense, of hidden size ``shared_ffn_size`` (docs/grok2.md §2)."""
 
     config: ModelConfig
@@ -269,7 +279,7 @@ class DenseMLP(nn.Module):
         d, f, dtype, backend = self.config.emb_size, self.config.shared_ffn_size, x_BTD.dtype, self.backend
         gate = backend.matmul(x_BTD, Weight((d, f), ("embed", "mlp"), name="linear")(), dtype)
         up = backend.matmul(x_BTD, Weight((d, f), ("embed", "mlp"), name="linear_v")(), dtype)
-        return backend.matmul(jax.nn.gelu(gate, approximate=True) * up,
+        return backend.matmul(gelu(gate, self.config.activation) * up,
                               Weight((f, d), ("mlp", "embed"), name="linear_1")(), dtype)
 
 

@@ -94,13 +94,14 @@ class Transformer(nn.Module):
         return h_BTD, (tuple(new_k), tuple(new_v))
 
 
-def attention_mask(tokens_BT, lengths_B, pad_token: int, step_B=None, sequence_len=None):
+def attention_mask(tokens_BT, lengths_B, pad_token: int | None, step_B=None, sequence_len=None):
     """Which keys each query may see, ``[B, T, S]`` bool.
 
-    Without memory (``step_B is None``; S = T): causal, and keys that are padding are masked, as
-    in the reference: a key is padding if its token is ``pad_token`` or it lies at or beyond the
-    row's length. With memory (S = sequence_len): key s is visible to query t iff
-    ``s <= step + t`` and ``s < step + length`` (positions, not token ids: the cache keeps no ids).
+    Without memory (``step_B is None``; S = T): causal, and keys that are padding are masked: a
+    key is padding if it lies at or beyond the row's length or, as in Grok-1's reference, its
+    token is ``pad_token`` (None: by position only, as Grok-2). With memory (S = sequence_len):
+    key s is visible to query t iff ``s <= step + t`` and ``s < step + length`` (positions, not
+    token ids: the cache keeps no ids; docs/grok1.md §13 compares the two).
     A query at or beyond its row's length (padding, a free slot's decode row) sees no key: its
     output is never read, so attention skips it (the CPU kernel reads no cache for it).
     """
@@ -109,7 +110,9 @@ def attention_mask(tokens_BT, lengths_B, pad_token: int, step_B=None, sequence_l
     query_ok_BT = q_pos_BT < lengths_B[:, None]
     if step_B is None:
         k_pos_S = jnp.arange(t)
-        key_ok_BS = (tokens_BT != pad_token) & (k_pos_S[None, :] < lengths_B[:, None])
+        key_ok_BS = k_pos_S[None, :] < lengths_B[:, None]
+        if pad_token is not None:
+            key_ok_BS &= tokens_BT != pad_token
         causal_TS = k_pos_S[None, :] <= jnp.arange(t)[:, None]
         return key_ok_BS[:, None, :] & causal_TS[None] & query_ok_BT[:, :, None]
     k_pos_S = jnp.arange(sequence_len)

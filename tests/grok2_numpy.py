@@ -4,7 +4,9 @@ Written from sglang's Grok-2 (python/sglang/srt/models/grok.py: ``Grok1DecoderLa
 ``Grok1MoE``, ``Grok1MLP``, ``ScalingRotaryEmbedding``; the attention kernels' ``logit_cap`` and
 ``xai_temperature_len``; ``LogitsProcessor``'s ``final_logit_softcapping``) and YaRN (arXiv
 2309.00071, §3.2), as docs/grok2.md states them. One row, float64 throughout, parameters as the
-native tree holds them (``[in, out]`` matrices, experts stacked ``[E, in, out]``).
+native tree holds them (``[in, out]`` matrices, experts stacked ``[E, in, out]``). Keys are
+masked by position alone, as sglang's attention masks them: no token id is padding. The GELU is
+the config's ``activation`` (``gelu``: Grok-2's is erf, and where that was read).
 """
 
 from __future__ import annotations
@@ -18,7 +20,20 @@ def rms_norm(x, scale, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
-def gelu_tanh(x):
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def gelu(x, activation):
+    """Grok-2's GELU is the exact erf form: what sglang runs, not what it declares. Its Grok1MLP
+    declares ``GeluAndMul(approximate="tanh")`` but calls ``gelu_and_mul_triton``, whose kernel
+    computes ``0.5 * (1 + erf(x / sqrt 2)) * x`` (srt/layers/elementwise.py); Grok1MoE passes
+    ``activation="gelu"`` to FusedMoE, which runs sgl_kernel's ``gelu_and_mul``, erf too
+    (srt/layers/moe/fused_moe_triton/fused_moe.py, sgl-kernel csrc/elementwise/activation.cu).
+    sglang-jax computes the tanh form in both (``jax.nn.gelu``'s default). Grok-1's published
+    code: tanh (``jax.nn.gelu``)."""
+    if activation == "gelu_erf":
+        return 0.5 * x * (1 + _erf(x / math.sqrt(2)))
+    assert activation == "gelu_tanh", activation
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
@@ -80,8 +95,8 @@ def attention(x, p, positions, c):
     return out.reshape(t, n * h) @ p["linear"]["w"]
 
 
-def geglu(x, gate, up, down):
-    return (gelu_tanh(x @ gate) * (x @ up)) @ down
+def geglu(x, gate, up, down, activation):
+    return (gelu(x @ gate, activation) * (x @ up)) @ down
 
 
 def moe(x, p, router_w, c):
@@ -93,7 +108,8 @@ def moe(x, p, router_w, c):
         prob /= prob.sum()
         probs.append(prob)
         for e in np.argsort(-prob, kind="stable")[: c.num_selected_experts]:  # gates: raw probabilities
-            out[i] += prob[e] * geglu(row, p["linear"]["w"][e], p["linear_v"]["w"][e], p["linear_1"]["w"][e])
+            out[i] += prob[e] * geglu(row, p["linear"]["w"][e], p["linear_v"]["w"][e], p["linear_1"]["w"][e],
+                                      c.activation)
     return out, np.stack(probs)
 
 
@@ -106,7 +122,7 @@ def layer(h, p, positions, c):
     ffn, probs = moe(x, p["moe"], p["router"]["w"], c)
     if c.shared_ffn_size:
         mlp = p["mlp"]
-        ffn = (geglu(x, mlp["linear"]["w"], mlp["linear_v"]["w"], mlp["linear_1"]["w"]) + ffn) / math.sqrt(2)
+        ffn = (geglu(x, mlp["linear"]["w"], mlp["linear_v"]["w"], mlp["linear_1"]["w"], c.activation) + ffn) / math.sqrt(2)
     h = h + rms_norm(ffn, p["rms_norm_3"]["scale"], eps)
     return h, {"attn_out": attn, "router_probs": probs, "moe_out": ffn, "h_out": h}
 

@@ -45,6 +45,9 @@ def test_config_is_frozen_and_keyword_only():
         ({"fprop_dtype": "int8"}, "fprop_dtype"),
         ({"attn_output_multiplier": float("nan")}, "attn_output_multiplier"),
         ({"num_layers": 2.5}, "num_layers"),
+        ({"activation": "gelu_new"}, "activation"),
+        ({"pad_token": -1}, "pad_token"),
+        ({"pad_token": True}, "pad_token"),
     ],
 )
 def test_config_validation_names_the_field(change, field):

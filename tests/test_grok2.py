@@ -86,7 +86,7 @@ def test_each_field_changes_the_output(params):
     tokens = tokens_of(1, (1, T))
     base = np.asarray(forward(params, tokens, TINY_GROK2, backend=XLA()).logits)
     for change in ({"rope_scaling": "none"}, {"attn_temperature_len": 0}, {"router_logit_cap": 0.0},
-                   {"final_logit_cap": 0.0}):
+                   {"final_logit_cap": 0.0}, {"activation": "gelu_tanh"}):
         other = np.asarray(forward(params, tokens, dataclasses.replace(TINY_GROK2, **change), backend=XLA()).logits)
         assert np.abs(other - base).max() > 1e-3, change
     # the temperature changes nothing up to its length, RoPE scaling nothing at position 0
@@ -127,6 +127,18 @@ def test_cached_decode_equals_the_full_forward(params):
     full = np.asarray(forward(params, tokens, TINY_GROK2, backend=XLA()).logits)
     cached = decode_all(params, tokens, 5, TINY_GROK2)  # decode crosses 8, 16 and 32
     np.testing.assert_allclose(cached, full, atol=1e-4)
+
+
+def test_id_0_is_a_token_like_any_other(params):
+    """sglang masks Grok-2's keys by position alone: a sequence holding id 0 (``<|pad|>``, or a 0
+    in an id prompt) gets the same logits from the full forward (scoring, echo) as through the
+    cache (generation), and both equal the numpy statement's."""
+    tokens = np.array(tokens_of(5, (2, 24)))
+    tokens[:, [2, 3, 9, 17]] = 0
+    full = np.asarray(forward(params, tokens, TINY_GROK2, backend=XLA()).logits)
+    np.testing.assert_allclose(decode_all(params, tokens, 5, TINY_GROK2), full, atol=1e-4)
+    want, _ = grok2_numpy.forward(jax.device_get(params), tokens[0], TINY_GROK2)
+    assert np.abs(full[0] - want).max() < 2e-4 * np.abs(want).max()
 
 
 def test_a_mesh_equals_one_device(params):

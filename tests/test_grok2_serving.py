@@ -103,6 +103,20 @@ def test_greedy_equals_the_full_forward_past_every_grok2_length(runner, checkpoi
     assert len(seq) > 40
 
 
+def test_scoring_equals_generation_on_a_sequence_holding_id_0(runner):
+    """Grok-2 masks keys by position in every path (as sglang): the runner's scoring forward
+    (``InferenceRunner.logits``: echo) gives each greedy token of a prompt holding id 0
+    (``<|pad|>``) the log-probability generation gave it, and makes it the argmax."""
+    prompt = prompt_ids(8, 12)
+    prompt[1] = prompt[5] = prompt[6] = 0
+    done = runner.generate([prompt], temperature=0.0, max_len=10, logprobs=0)[0]
+    seq = np.array([prompt + done.token_ids[:-1]], np.int32)
+    logits = runner.logits(seq, np.array([seq.shape[1]]))[0, len(prompt) - 1:]
+    logprobs = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    assert logits.argmax(-1).tolist() == done.token_ids
+    np.testing.assert_allclose(logprobs[np.arange(len(done.token_ids)), done.token_ids], done.logprobs, atol=1e-4)
+
+
 def test_structured_output_through_the_tiktoken_vocabulary(runner):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                "ok": {"type": "boolean"}},

@@ -161,6 +161,29 @@ def test_grok2s_released_config_is_the_preset():
     assert config_from_hf(released, "config.json") == GROK_2
 
 
+def test_the_gelu_and_the_pad_mask_follow_the_variant():
+    """Grok-2 is read as sglang computes it: the erf GELU, no key masked by its id whatever its
+    pad_token_id (docs/grok2.md §2, §11); Grok-1 keeps the tanh GELU and masks by the pad id its
+    config names, by position where it names none."""
+    from checkpoints.hf_layout import config_from_hf
+    from checkpoints.native import config_from_json, config_to_json
+
+    grok2 = config_from_hf(dict(hf_config(TINY_GROK2, "sglang"), pad_token_id=0), "config.json")
+    assert (grok2.activation, grok2.pad_token) == ("gelu_erf", None)
+    for naming in ("hpcai", "keyfan"):
+        grok1 = hf_config(TINY, naming)
+        assert config_from_hf(grok1, "config.json") == TINY  # gelu_tanh, pad_token 0
+        del grok1["pad_token_id"]
+        assert config_from_hf(grok1, "config.json").pad_token is None
+    # a native config.json written before the field: Grok-2's is read as Grok-2, Grok-1's as it was
+    old = config_to_json(TINY_GROK2)
+    del old["activation"]
+    assert config_from_json(dict(old, pad_token=0), "config.json") == TINY_GROK2
+    old = config_to_json(TINY)
+    del old["activation"]
+    assert config_from_json(old, "config.json") == TINY
+
+
 def test_a_bin_file_is_read_without_unpickling(tmp_path):
     """A .bin whose pickle names any other global (here os.system) is refused before anything runs,
     naming the file and the global; nothing is ever unpickled."""

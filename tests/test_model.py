@@ -98,6 +98,33 @@ def test_right_padding_never_changes_real_positions(tiny_params):
     np.testing.assert_allclose(by_len, real, atol=1e-5)
 
 
+def test_grok1s_full_forward_hides_id_0_keys_and_the_cache_masks_by_position(tiny_params):
+    """docs/grok1.md §13. Grok-1's reference masks every key whose token is the pad id (0) in a
+    forward without memory, and this ``forward`` does: what id 0 embeds to reaches no other
+    position (only its own query and the logit of id 0 itself, the tied table's row, read it).
+    The KV-cache paths (prefill, decode) mask by position: they attend to it like any token,
+    computing exactly what the full forward of a config without a pad id computes."""
+    tokens = np.array(random_tokens(7, (2, 16)))
+    tokens[:, 6] = 0
+    other = jax.tree_util.tree_map(lambda x: x, tiny_params)
+    table = other["language_model"]["in_out_embed"]["embeddings"]
+    other["language_model"]["in_out_embed"]["embeddings"] = table.at[0].set(
+        jax.random.normal(jax.random.PRNGKey(8), table.shape[1:]))
+    full = np.asarray(forward(tiny_params, tokens, TINY, backend=XLA()).logits)
+    full_other = np.asarray(forward(other, tokens, TINY, backend=XLA()).logits)
+    np.testing.assert_allclose(full_other[:, 7:, 1:], full[:, 7:, 1:], atol=1e-6)  # key 6 is hidden
+    assert np.abs(full_other[:, 6] - full[:, 6]).max() > 1e-2  # its own query is computed (on keys 0-5)
+
+    cached, _ = decode_all(tiny_params, tokens, 4)
+    np.testing.assert_allclose(cached[:, :6], full[:, :6], atol=ATOL)  # before the 0 nothing differs
+    assert np.abs(cached[:, 6:] - full[:, 6:]).max() > 1e-2  # from it on the cache sees its key
+    by_position = np.asarray(forward(tiny_params, tokens, dataclasses.replace(TINY, pad_token=None),
+                                     backend=XLA()).logits)
+    np.testing.assert_allclose(cached, by_position, atol=ATOL)
+    cached_other, _ = decode_all(other, tokens, 4)
+    assert np.abs(cached_other[:, 7:, 1:] - cached[:, 7:, 1:]).max() > 1e-2
+
+
 def test_gqa_equals_multi_head_attention_with_repeated_kv_heads(tiny_params):
     g = TINY.q_per_kv
     mha = dataclasses.replace(TINY, num_kv_heads=TINY.num_q_heads)
