@@ -37,10 +37,11 @@ WHERE_GROK1_TOKENIZER = ("Grok-1's tokenizer.model ships in the code repository,
 def find_tokenizer(directory: str) -> str | None:
     """An original checkpoint's SentencePiece model: ``tokenizer.model`` beside ``ckpt-0/``, else one
     level up (where Grok-1's code repository keeps it when the weights are downloaded into its
-    ``checkpoints/``). A native checkpoint holds its own (``open_native``)."""
+    ``checkpoints/``). A native checkpoint holds its own (``open_native``). Whatever holds the
+    name counts (``check_tokenizer`` then refuses anything but a regular file, naming it)."""
     for candidate in (directory, os.path.dirname(os.path.abspath(directory))):
         path = os.path.join(candidate, TOKENIZER)
-        if os.path.isfile(path):
+        if os.path.lexists(path):
             return path
     return None
 

@@ -185,6 +185,27 @@ def test_a_fifo_in_place_of_a_checkpoint_file_is_an_error_not_a_hang(native, whi
         restore(str(native))
 
 
+@pytest.mark.parametrize("name", ["tokenizer.model", "tokenizer.tok.json", "tokenizer.json"])
+@pytest.mark.parametrize("kind", ["a directory", "a broken link"])
+def test_a_tokenizers_name_on_what_is_not_a_file_is_an_error_naming_it(native, name, kind):
+    """Not skipped as if absent (the command would then say the checkpoint has no tokenizer):
+    refused, named, before a tensor is read."""
+    from checkpoints.restore import inspect
+
+    path = native / name
+    path.mkdir() if kind == "a directory" else path.symlink_to(native / "nowhere")
+    message = "tokenizer is a directory, not a regular file" if kind == "a directory" else "cannot read tokenizer"
+    with pytest.raises(CheckpointError, match=f"{path}: {message}"):
+        inspect(str(native))
+
+
+def test_a_directory_for_grok1s_tokenizer_beside_ckpt0_is_an_error_naming_it(reference_dir, tmp_path):
+    (tmp_path / "ckpt-0").symlink_to(reference_dir / "ckpt" / "ckpt-0")
+    (tmp_path / "tokenizer.model").mkdir()
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'tokenizer.model'}: tokenizer is a directory"):
+        restore(str(tmp_path), config="grok-1-reference-tiny")
+
+
 # ---- configs ------------------------------------------------------------------------------------
 def test_load_original_takes_a_preset_a_json_file_or_a_config(reference_dir, tmp_path):
     from checkpoints.native import config_to_json

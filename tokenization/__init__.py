@@ -47,10 +47,12 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def find_tokenizer(directory: str) -> str | None:
-    """The first of ``FILES`` in ``directory``, or None."""
+    """The first of ``FILES`` in ``directory``, or None. Whatever holds the name counts: a
+    directory or a broken link there is not skipped as if absent, and reading it is the error
+    (``checkpoints`` refuses anything but a regular file, naming it)."""
     for name in FILES:
         path = os.path.join(directory, name)
-        if os.path.isfile(path):
+        if os.path.lexists(path):
             return path
     return None
 
