@@ -297,8 +297,9 @@ class InferenceRunner:
         oversized prompt costs is its normalization, never its ids (about 44 bytes a character:
         177 MB for a 4 MB prompt)."""
         if len(text) >= self.config.sequence_len:
-            self.check_prompt_length(self.tokenizer.min_tokens(text), f"its {len(text)} characters, at most "
-                                     f"{self.tokenizer.max_piece_chars} a token")
+            bound = self.tokenizer.min_tokens(text)
+            if bound >= self.config.sequence_len:
+                self.check_prompt_length(bound, self.tokenizer.min_tokens_reason(text))
         return self.tokenizer.encode(text)
 
     def grammar_of(self, request: Request):

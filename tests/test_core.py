@@ -423,7 +423,7 @@ def test_an_oversized_prompt_is_refused_without_being_encoded(runner, monkeypatc
     encode = runner.tokenizer.encode
     encoded = []
     monkeypatch.setattr(runner.tokenizer, "encode", lambda text: encoded.append(len(text)) or encode(text))
-    with pytest.raises(ValueError, match=r"Request.prompt has at least \d+ tokens \(its 400000 characters, at most "
+    with pytest.raises(ValueError, match=r"Request.prompt has at least \d+ tokens \(its 400000 characters once normalized, at most "
                                          r"\d+ a token\), more than sequence_len \(64\) leaves room for: at most 63"):
         runner.prepare(Request("the " * 100_000, max_len=1))
     assert encoded == []

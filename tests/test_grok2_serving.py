@@ -117,6 +117,36 @@ def test_scoring_equals_generation_on_a_sequence_holding_id_0(runner):
     np.testing.assert_allclose(logprobs[np.arange(len(done.token_ids)), done.token_ids], done.logprobs, atol=1e-4)
 
 
+def test_a_long_prompt_is_served_or_a_400_naming_prompt(runner):
+    """Grok-2's tiktoken tokenizer bounds a prompt's tokens as SentencePiece does (once a 500:
+    the runner asked every tokenizer for SentencePiece's max_piece_chars). A prompt of more
+    characters than the context's positions that fits is served; one that does not, or one
+    refused by the bound before it is encoded, is a 400 naming the prompt."""
+    import httpx
+
+    from server import Server
+    from tests.test_server import LiveServer
+
+    fits = "the house " * 7  # 70 characters
+    assert len(fits) >= CONFIG.sequence_len > len(runner.tokenizer.encode(fits)) + 4
+    long = "the house " * 40
+    assert len(runner.tokenizer.encode(long)) >= CONFIG.sequence_len
+    huge = "the house " * 100_000
+    assert runner.tokenizer.min_tokens(huge) >= CONFIG.sequence_len
+    live = LiveServer(Server(runner, "tiny-grok-2"))
+    try:
+        body = {"model": "tiny-grok-2", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(live.url + "/v1/completions", json=dict(body, prompt=fits), timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        for prompt, why in ((long, "tokens, more than"), (huge, "bytes, at most")):
+            r = httpx.post(live.url + "/v1/completions", json=dict(body, prompt=prompt), timeout=120)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "prompt" and why in error["message"], error
+    finally:
+        live.stop()
+
+
 def test_structured_output_through_the_tiktoken_vocabulary(runner):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                "ok": {"type": "boolean"}},

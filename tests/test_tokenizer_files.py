@@ -38,6 +38,36 @@ def test_round_trips_and_spells_its_bytes(tokenizer, text):
     assert [bytes(tokenizer.token_bytes(i)) for i in byte_ids] == [bytes([b]) for b in range(256)]
 
 
+def test_the_prompt_bound_is_a_lower_bound_and_says_how_it_was_found(tokenizer):
+    """What lets a runner refuse a text far too long without encoding it (tests/test_tokenizer.py
+    holds SentencePiece to the same): never above the true count, and biting on long texts."""
+    from tests.test_tokenizer import _texts
+
+    for text in _texts(1) + ["<|separator|>" * 50, "<|eos|><|pad|>" * 40]:
+        assert tokenizer.min_tokens(text) <= len(tokenizer.encode(text)), repr(text[:60])
+    text = "the house " * 10_000
+    assert tokenizer.min_tokens(text) >= 100_000 // tokenizer.max_token_bytes > 1000
+    assert tokenizer.min_tokens_reason(text) == f"its 100000 bytes, at most {tokenizer.max_token_bytes} a token"
+
+
+@pytest.mark.parametrize("change", [
+    {"normalizer": {"type": "Replace", "pattern": {"String": "x"}, "content": ""}},
+    {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "WhitespaceSplit"}, {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                      "use_regex": True}]}},
+])
+def test_a_tokenizer_json_that_may_rewrite_or_drop_text_claims_no_bound(tmp_path, change):
+    """A normaliser may shorten the text and a whitespace split drops it, so the bytes bound
+    nothing: no bound, and the runner encodes (here both hold text of more bytes than tokens
+    could spell at the byte bound)."""
+    spec = json.loads(open(write_tokenizer_json(tmp_path)).read())
+    (tmp_path / "tokenizer.json").write_text(json.dumps(dict(spec, **change)))
+    tokenizer = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    text = ("x" if "normalizer" in change else " ") * 30000 + "a"
+    assert tokenizer.min_tokens(text) == 0 and len(tokenizer.encode(text)) < 30000 // tokenizer.max_token_bytes
+    assert tokenizer.min_tokens_reason(text).startswith("no bound")
+
+
 def test_streams_a_character_split_over_tokens_whole(tokenizer):
     text = "naïve ☃ 😀 café"
     ids = tokenizer.encode(text)

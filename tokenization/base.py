@@ -66,8 +66,20 @@ class Tokenizer:
         """The most bytes of text one token stands for (its name's, for a special token)."""
         return max(len(self.token_bytes(i)) for i in range(self.vocab_size))
 
+    # ---- the prompt bound: what lets a runner refuse a text far too long without encoding it ----
     def min_tokens(self, text: str) -> int:
-        """A lower bound on ``len(encode(text))`` for the price of reading ``text``: a token
-        stands for at most ``max_token_bytes`` of its bytes (sound where the tokenizer does not
-        normalise text; those that do override this)."""
-        return -(-len(text.encode("utf-8", "surrogatepass")) // max(self.max_token_bytes, 1))
+        """A lower bound on ``len(encode(text))`` for the price of reading ``text``, never above
+        the true count (0: no bound). Here: a token stands for at most ``max_token_bytes`` of the
+        text's bytes, sound where every byte of the text is some token's (no normaliser rewrites
+        it, nothing drops it, no unknown token swallows a run of it); tokenizers where that
+        does not hold override this."""
+        return -(-self._byte_count(text) // max(self.max_token_bytes, 1))
+
+    def min_tokens_reason(self, text: str) -> str:
+        """How ``min_tokens(text)`` was found, in a refusal's words ("its 40000 bytes, at most 16
+        a token")."""
+        return f"its {self._byte_count(text)} bytes, at most {self.max_token_bytes} a token"
+
+    @staticmethod
+    def _byte_count(text: str) -> int:
+        return len(text.encode("utf-8", "surrogatepass"))

@@ -47,6 +47,7 @@ class HuggingFaceTokenizer(Tokenizer):
         self.byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer")) or \
             "ByteLevel" in json.dumps(spec.get("decoder"))
         self.normalizes = spec.get("normalizer") is not None
+        self.pre_tokenizer = json.dumps(spec.get("pre_tokenizer"))
         self.specials = {int(i): t.content for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
         self._bos, self._eos = self._named_ids(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
 
@@ -112,5 +113,21 @@ class HuggingFaceTokenizer(Tokenizer):
             ids = [self.backend.token_to_id(f"<0x{b:02X}>") for b in range(256)]
         return ids if all(i is not None for i in ids) else None
 
+    # pre-tokenizers that drop part of the text (whitespace, a delimiter), or a Split that does
+    _DROPPING = ("Whitespace", "WhitespaceSplit", "BertPreTokenizer", "CharDelimiterSplit", "Removed")
+
+    @functools.cached_property
+    def keeps_every_byte(self) -> bool:
+        """Whether each byte of a text is some token's: a byte-level tokenizer with every byte in
+        its vocabulary (no unknown token), no normaliser (which may rewrite the text) and no
+        pre-tokenizer that drops text. Only then does the byte bound of ``min_tokens`` hold."""
+        return ('"ByteLevel"' in self.pre_tokenizer and not self.normalizes and self.byte_ids() is not None
+                and not any(f'"{name}"' in self.pre_tokenizer for name in self._DROPPING))
+
     def min_tokens(self, text: str) -> int:
-        return 0 if self.normalizes else super().min_tokens(text)  # a normalizer may rewrite the text
+        return super().min_tokens(text) if self.keeps_every_byte else 0
+
+    def min_tokens_reason(self, text: str) -> str:
+        if self.keeps_every_byte:
+            return super().min_tokens_reason(text)
+        return "no bound: this tokenizer may rewrite or drop text before it encodes it"

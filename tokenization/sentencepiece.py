@@ -69,6 +69,10 @@ class SentencePieceTokenizer(Tokenizer):
             return 0
         return -(-len(self.sp.normalize(text)) // self.max_piece_chars)
 
+    def min_tokens_reason(self, text: str) -> str:
+        return (f"its {len(self.sp.normalize(text))} characters once normalized, at most "
+                f"{self.max_piece_chars} a token")
+
     @functools.cached_property
     def max_piece_chars(self) -> Optional[int]:
         """The longest piece's characters (its ``▁`` one), or None without byte fallback."""
