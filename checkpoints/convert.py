@@ -1,6 +1,7 @@
 """Convert a checkpoint to the native format, streaming tensor by tensor.
 
     grok-runner convert SRC DST [--config PRESET|JSON] [--tokenizer FILE]   (cli/convert.py)
+    python -m checkpoints.convert SRC DST ...                               (the same command)
 
 SRC is any layout ``checkpoints.restore.inspect`` reads: an original Grok-1 ``ckpt-0/`` (never
 unpickled: see checkpoints/safe_pickle.py; it needs ``--config``), a Hugging Face directory of
@@ -35,3 +36,11 @@ def convert(src: str, dst: str, config=None, *, tokenizer: str | None = None, sh
     with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
         save_tensors(dst, config, entries, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes,
                      progress=bar)
+
+
+if __name__ == "__main__":  # ``python -m checkpoints.convert SRC DST``, the command before ``grok-runner convert``
+    import sys
+
+    from cli.convert import convert as command
+
+    sys.exit(command(sys.argv[1:], "python -m checkpoints.convert"))

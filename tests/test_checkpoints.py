@@ -235,3 +235,24 @@ def test_convert_cli_reports_errors(reference_dir, tmp_path, capsys):
     cfg.write_text(json.dumps(dataclasses.asdict(GROK_1_REFERENCE_TINY)))
     assert command(["convert", str(reference_dir / "ckpt"), str(tmp_path / "out"), "--config", str(cfg)]) == 0
     assert restore(str(tmp_path / "out")).config == GROK_1_REFERENCE_TINY
+
+
+def test_python_m_checkpoints_convert_is_the_convert_command(tiny_params, tmp_path):
+    """The documented command before ``grok-runner convert`` exited 0 and wrote nothing."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+    from tests.test_command import CPU_ENV
+
+    save(str(tmp_path / "src"), jax.device_get(tiny_params), TINY)
+    done = subprocess.run([sys.executable, "-m", "checkpoints.convert", str(tmp_path / "src"), str(tmp_path / "dst")],
+                          cwd=REPO, env=CPU_ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and f"wrote {tmp_path / 'dst'}" in done.stderr, done.stderr
+    restored = restore(str(tmp_path / "dst"))
+    assert restored.config == TINY
+    assert_trees_equal(restored.params, tiny_params)
+    done = subprocess.run([sys.executable, "-m", "checkpoints.convert", str(tmp_path / "nowhere"), str(tmp_path / "x")],
+                          cwd=REPO, env=CPU_ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "checkpoint directory does not exist" in done.stderr, done.stderr
+    assert not (tmp_path / "x").exists()
