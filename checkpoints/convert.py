@@ -38,9 +38,11 @@ def convert(src: str, dst: str, config=None, *, tokenizer: str | None = None, sh
                      progress=bar)
 
 
-if __name__ == "__main__":  # ``python -m checkpoints.convert SRC DST``, the command before ``grok-runner convert``
+if __name__ == "__main__":
+    # ``python -m checkpoints.convert SRC DST``, the documented command before ``grok-runner
+    # convert``, hands over to that command (the same process, flags and exit status), which
+    # this package does not import: the command line is cli's, which imports this module.
+    import os
     import sys
 
-    from cli.convert import convert as command
-
-    sys.exit(command(sys.argv[1:], "python -m checkpoints.convert"))
+    os.execv(sys.executable, [sys.executable, "-m", "cli", "convert", *sys.argv[1:]])
