@@ -99,7 +99,10 @@ def _generate(p, args, start: float) -> int:
                                kv_dtype=args.kv_dtype, quantize=args.quantize),
             tokenizer_path=inspected.tokenizer_path, local_mesh_config=args.mesh, pad_sizes=args.pad_sizes,
             batch_size=args.batch_size, speculative=args.speculative, compile_cache=compile_cache_of(args))
-        runner = runner.initialize(startup=startup)
+        # The steps the prompts call, made ready as they are first called (loaded from the store of
+        # compiled steps, else compiled), not the whole ladder a server warms: a command knows its
+        # requests, and one prompt calls a prefill and a decode step or two of the nine.
+        runner = runner.initialize(warmup=False, startup=startup)
         for r in requests:
             runner.prepare(r)
     except (ValueError, CheckpointError) as e:
