@@ -115,8 +115,7 @@ def model(p: argparse.ArgumentParser, batch_size: int | None, batch_help: str) -
                    help="where the operations run: xla is pure JAX on any devices; cpu is one CPU device with "
                    "every C++ kernel; auto (default) is cpu on one CPU device with each kernel taken only where "
                    "measured faster than XLA's op on this CPU (once per machine, cached), xla elsewhere")
-    p.add_argument("--pad-sizes", type=pad_sizes, help="comma-separated prompt buckets, each compiled at start "
-                   "(default: powers of two from 16 up to the round's token budget, or sequence_len if shorter)")
+    pad_sizes_flag(p)
     p.add_argument("--compile-cache", default=COMPILE_CACHE,
                    help="directory of compiled steps, so a second start of the same model and settings loads "
                    "them instead of compiling (default: %(default)s); 'off' disables it")
@@ -132,6 +131,25 @@ def cluster(p: argparse.ArgumentParser) -> None:
                    help="several hosts: number of processes (env JAX_NUM_PROCESSES)")
     p.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"),
                    help="several hosts: this process's id (env JAX_PROCESS_ID)")
+
+
+def pad_sizes_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pad-sizes", type=pad_sizes, help="comma-separated prompt buckets, each compiled at start "
+                   "(default: powers of two from 16 up to the round's token budget, or sequence_len if shorter)")
+
+
+def scheduling(p: argparse.ArgumentParser) -> None:
+    """How a server plans its rounds, which decides the steps it compiles: serve, and plan (which counts them)."""
+    p.add_argument("--decode-steps", type=bounded(int, 1, 64, "an integer in [1, 64]"), default=2,
+                   help="decode steps per device call in a round without prompt work (default 2): more "
+                   "amortise the host's work per call, fewer let a new request in sooner")
+    p.add_argument("--max-scored-tokens", type=bounded(int, 0, None, "an integer >= 0"), default=None,
+                   help="prompt tokens one request may have scored (echo with logprobs), computed as part "
+                   "of its prefill; default: --batch-size x the model's sequence_len; 0: echo with logprobs "
+                   "is refused and its scoring prefill variants are not compiled")
+    p.add_argument("--max-num-batched-tokens", type=bounded(int, 1, INT32_MAX, "an integer >= 1"),
+                   help="tokens a round may compute: prompt chunks (cut to buckets no larger) plus one per "
+                   "decoding request (default 512)")
 
 
 def speculative(p: argparse.ArgumentParser, help_: str) -> None:

@@ -1,10 +1,14 @@
 """``grok-runner plan``: the per-device memory plan of a preset or a checkpoint on a mesh, from
 headers alone (nothing is loaded): weights by dtype, KV bytes a token and a slot, and with
-``--device-memory`` the largest batch at each context length.
+``--device-memory`` the largest batch at each context length; then the steps a server of it
+compiles before it serves (for ``serve``'s scheduling flags: --batch-size, --pad-sizes, ...),
+and with ``--compile-estimate`` their compile time estimated by compiling the largest of them
+here on abstract shapes (minutes for Grok-1's 64 layers on a laptop CPU).
 
     grok-runner plan --preset grok-1 --mesh 1,8 --device-memory 141
     grok-runner plan --preset grok-2 --mesh 1,8 --device-memory 141 --kv-dtype int8
     grok-runner plan --checkpoint DIR --batch-size 16 --kv-dtype int8
+    grok-runner plan --preset grok-1 --batch-size 8 --compile-estimate
 
 A preset's weights are planned as released: Grok-1's int8 (bf16 scales), Grok-2's bf16.
 """
@@ -30,6 +34,13 @@ def parser(prog: str) -> argparse.ArgumentParser:
                    help="what the KV cache holds (default: the activation dtype)")
     p.add_argument("--weight-dtype", choices=["int8", "bfloat16", "float32"], default=None,
                    help="a preset's weights (default: as released: Grok-1 int8, Grok-2 bfloat16)")
+    flags.pad_sizes_flag(p)
+    flags.scheduling(p)
+    flags.speculative(p, "the most draft tokens a speculative step verifies (its decode steps are compiled "
+                      "only if > 0; default 0)")
+    p.add_argument("--compile-estimate", action="store_true",
+                   help="compile the largest prefill and decode step here, from abstract shapes (nothing "
+                   "allocated), and estimate what compiling every step would take on this machine")
     return p
 
 
@@ -69,4 +80,16 @@ def plan(argv, prog: str) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(result.format())
+    from runner import compiled
+
+    try:
+        planned = compiled.steps(config, args.batch_size, pad_sizes=args.pad_sizes,
+                                 max_num_batched_tokens=args.max_num_batched_tokens, decode_steps=args.decode_steps,
+                                 speculative=args.speculative, score_prompts=args.max_scored_tokens != 0)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"a server of batch {args.batch_size} compiles {planned.describe()}")
+    if args.compile_estimate:
+        print(compiled.estimate(config, params, planned, args.batch_size, args.kv_dtype).describe())
     return 0

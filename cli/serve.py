@@ -32,16 +32,7 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=flags.bounded(int, 1, None, "an integer >= 1"), default=4 << 20,
                    help="largest request body, counted as it arrives (chunked or not); beyond, 413 "
                    "(default 4194304)")
-    p.add_argument("--decode-steps", type=flags.bounded(int, 1, 64, "an integer in [1, 64]"), default=2,
-                   help="decode steps per device call in a round without prompt work (default 2): more "
-                   "amortise the host's work per call, fewer let a new request in sooner")
-    p.add_argument("--max-scored-tokens", type=flags.bounded(int, 0, None, "an integer >= 0"), default=None,
-                   help="prompt tokens one request may have scored (echo with logprobs), computed as part "
-                   "of its prefill; default: --batch-size x the model's sequence_len; 0: echo with logprobs "
-                   "is refused and its scoring prefill variants are not compiled")
-    p.add_argument("--max-num-batched-tokens", type=flags.bounded(int, 1, flags.INT32_MAX, "an integer >= 1"),
-                   help="tokens a round may compute: prompt chunks (cut to buckets no larger) plus one per "
-                   "decoding request (default 512)")
+    flags.scheduling(p)
     p.add_argument("--prefix-cache-gb", type=flags.bounded(float, 0, None, "a number of GB >= 0"), default=None,
                    help="device memory for the prefix cache, in GB (10**9 bytes): the KV of prompt prefixes in "
                    "blocks of 16 positions, reused by requests whose prompts start with the same tokens; 0 "

@@ -246,18 +246,9 @@ class Engine:
         self.executor.on_demand(self.executor.store(cache), self.variants(False)[1])
 
     def variants(self, score_prompts: bool) -> tuple[list, list]:
-        """The prefill shapes ``(rows, bucket, KV length, score)`` and decode calls ``(KV length,
-        steps, speculative)`` the scheduler can ask the executor for."""
-        scheduler = self.scheduler
-        prefills = [shape + (False,) for shape in sorted(scheduler.prefill_shapes())]
-        if score_prompts:
-            prefills += [shape + (True,) for shape in sorted(scheduler.prefill_shapes(score=True))]
-        steps = sorted(scheduler.step_counts())
-        # a plain call takes its steps as an argument: one variant a KV bucket, of the most steps
-        decodes = [(kv, steps[-1], 0) for kv in scheduler.kv_buckets]
-        if scheduler.speculative:
-            decodes += [(kv, n, scheduler.speculative) for kv in scheduler.kv_buckets for n in steps]
-        return prefills, decodes
+        """The prefill shapes and decode calls the scheduler can ask the executor for
+        (``serving_variants``)."""
+        return serving_variants(self.scheduler, score_prompts)
 
     # ---- one round: plan -> execute -> update ----------------------------------------------------
     def _round(self) -> None:
@@ -445,3 +436,18 @@ class Engine:
         self.scheduler.finish(sequence)
         if release and slot is not None:
             self.executor.release(slot)
+
+
+def serving_variants(scheduler, score_prompts: bool) -> tuple[list, list]:
+    """The prefill shapes ``(rows, bucket, KV length, score)`` and decode calls ``(KV length,
+    steps, speculative)`` ``scheduler`` can ask an executor for: what a server compiles before it
+    serves (and ``grok-runner plan`` counts, from the same scheduler)."""
+    prefills = [shape + (False,) for shape in sorted(scheduler.prefill_shapes())]
+    if score_prompts:
+        prefills += [shape + (True,) for shape in sorted(scheduler.prefill_shapes(score=True))]
+    steps = sorted(scheduler.step_counts())
+    # a plain call takes its steps as an argument: one variant a KV bucket, of the most steps
+    decodes = [(kv, steps[-1], 0) for kv in scheduler.kv_buckets]
+    if scheduler.speculative:
+        decodes += [(kv, n, scheduler.speculative) for kv in scheduler.kv_buckets for n in steps]
+    return prefills, decodes

@@ -71,7 +71,8 @@ class Executor:
     one model served in ``batch_size`` slots. Made ready by ``create``."""
 
     def __init__(self, spec: ModelRunner, loaded: Loaded, batch_size: int, selection: Selection,
-                 prefix_blocks: int, prefix_block_size: int):
+                 prefix_blocks: int, prefix_block_size: int, *, abstract: bool = False):
+        self.abstract = abstract
         self.spec, self.config, self.mesh = spec, loaded.config, loaded.mesh
         self.rules = DEFAULT_RULES if spec.rules is None else spec.rules
         self.tokenizer_path, self.batch_size, self.selection = loaded.tokenizer_path, batch_size, selection
@@ -79,12 +80,29 @@ class Executor:
         self.prefix_blocks, self.prefix_block_size = prefix_blocks, prefix_block_size
         # shardings of the canonical parameters; the backend's layout is derived from them in place
         self.param_shardings = param_shardings(loaded.params, self.mesh, self.rules)
-        self.params = selection.backend.prepare(jax.device_put(loaded.params, self.param_shardings))
+        if abstract:  # shapes placed by their shardings, nothing allocated (``Executor.abstract``)
+            self.params = jax.tree_util.tree_map(
+                lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                loaded.params, self.param_shardings)
+        else:
+            self.params = selection.backend.prepare(jax.device_put(loaded.params, self.param_shardings))
         self._build()
         self._executables: dict[tuple, object] = {}  # each variant compiled at start (``compile``) or on demand
         self._plain_steps: dict[int, int] = {}  # KV length -> the most steps of its plain decode variant
         self._store = None  # where a variant first called while serving is looked up and kept (``on_demand``)
         self.state = self.new_state()
+
+    @classmethod
+    def abstract(cls, config: ModelConfig, params, mesh: Mesh, batch_size: int, *, kv_dtype: str | None = None,
+                 rules: dict | None = None, prefix_blocks: int = 0, prefix_block_size: int = 16) -> "Executor":
+        """An executor of shapes alone, on the XLA backend: ``params`` (``jax.ShapeDtypeStruct``
+        leaves, as ``model.plan.abstract_params`` gives them) and the decode state are abstract,
+        placed by the rules, so every step ``variants`` names lowers and compiles as a server's
+        would, with nothing allocated: Grok-1's steps compile on a laptop (``grok-runner plan``)."""
+        spec = ModelRunner(model=config, params=params, backend="xla", kv_dtype=kv_dtype, rules=rules)
+        selection = choose("xla", mesh, config, params, batch_size)
+        return cls(spec, Loaded(config, params, mesh, None), batch_size, selection, prefix_blocks,
+                   prefix_block_size, abstract=True)
 
     @classmethod
     def create(cls, spec: ModelRunner, mesh: Mesh | None = None, batch_size: int | None = None,
@@ -270,13 +288,21 @@ class Executor:
                            vocab_size=self.config.vocab_size)
 
     def new_state(self) -> DecodeState:
-        """A fresh decode state: zeroed memory, every slot free (placed, nothing compiled)."""
+        """A fresh decode state: zeroed memory, every slot free (placed, nothing compiled); an
+        abstract executor's, its shapes placed by their shardings (nothing allocated)."""
         b, c, sh = self.batch_size, self.config, self._state_shardings
-        put = jax.device_put
+        if self.abstract:
+            def put(tree, shardings):
+                return jax.tree_util.tree_map(
+                    lambda value, sharding: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding),
+                    tree, shardings)
+            placed_zeros = put
+        else:
+            put, placed_zeros = jax.device_put, _zeros
         zeros = lambda shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
         memory = jax.eval_shape(lambda: new_memory(c, b, dtype=self.kv_dtype))
         return DecodeState(
-            memory=_zeros(memory, sh.memory), tokens=put(zeros((b,)), sh.tokens),
+            memory=placed_zeros(memory, sh.memory), tokens=put(zeros((b,)), sh.tokens),
             settings=put(SampleSettings.host(b), sh.settings), keys=put(zeros((b, 2), np.uint32), sh.keys),
             active=put(zeros((b,), bool), sh.active), remaining=put(zeros((b,)), sh.remaining),
             stop_ids=put(np.full((b, MAX_STOP_IDS), -1, np.int32), sh.stop_ids),
@@ -285,7 +311,7 @@ class Executor:
             history=put(np.full((b, c.sequence_len), -1, np.int32), sh.history),
             speculative=put(zeros((b,)), sh.speculative), draft_len=put(zeros((b,)), sh.draft_len),
             wait=put(zeros((b,)), sh.wait), misses=put(zeros((b,)), sh.misses),
-            pool=_zeros(jax.eval_shape(self._new_pool), sh.pool) if self.prefix_blocks else None)
+            pool=placed_zeros(jax.eval_shape(self._new_pool), sh.pool) if self.prefix_blocks else None)
 
     # ---- warm-up -------------------------------------------------------------------------------
     def variants(self, prefills: list[tuple[int, int, int, bool]], decodes: list[tuple[int, int, int]]):

@@ -326,3 +326,38 @@ def test_run_py_plan(capsys):
     out = capsys.readouterr().out
     assert "318.2 GB" in out and "KV per slot    : 256.00 MiB at 8192 tokens" in out
     assert "context   8,192: batch" in out
+
+
+def test_the_plan_counts_the_steps_a_server_compiles(tiny_params, capsys):
+    """``grok-runner plan`` names the steps a server with the same settings compiles at start:
+    the same list the engine warms, from the same scheduler."""
+    from runner import compiled
+
+    settings = dict(pad_sizes=(8, 16, 32), max_num_batched_tokens=32, speculative=2, score_prompts=True)
+    runner = InferenceRunner(runner=ModelRunner(model=TINY, params=tiny_params, backend="xla"), batch_size=4,
+                             **settings).initialize(warmup=False)
+    planned = compiled.steps(TINY, 4, **settings)
+    assert (planned.prefills, planned.decodes) == runner.engine.variants(True)
+    assert planned.count == len(runner.engine.executor.variants(planned.prefills, planned.decodes))
+    assert run_plan(["--preset", "tiny", "--batch-size", "4", "--pad-sizes", "8,16,32", "--max-num-batched-tokens",
+                     "32", "--speculative", "2"]) == 0
+    assert f"a server of batch 4 compiles {planned.count} steps: {len(planned.prefills)} prefill" in capsys.readouterr().out
+
+
+def test_an_abstract_executor_lowers_the_steps_a_server_compiles(tiny_params):
+    """From shapes alone (what the plan's compile estimate compiles, on Grok-1 too): every step
+    lowers to the program of a server holding the weights, on a 4 x 2 mesh."""
+    mesh = make_mesh((4, 2))
+    real = InferenceRunner(runner=ModelRunner(model=TINY, params=tiny_params, backend="xla"), mesh=mesh, batch_size=4,
+                           pad_sizes=(8, 16), max_num_batched_tokens=16).initialize(warmup=False).engine.executor
+    abstract = Executor.abstract(TINY, abstract_params(TINY), mesh, 4)
+    assert isinstance(jax.tree_util.tree_leaves(abstract.params)[0], jax.ShapeDtypeStruct)
+    for (key, _, lower), (_, _, lower_real) in zip(abstract.variants([(2, 8, 64, False)], [(64, 2, 0)]),
+                                                   real.variants([(2, 8, 64, False)], [(64, 2, 0)])):
+        assert lower().as_text() == lower_real().as_text(), key
+
+
+def run_plan(argv):
+    from cli.main import main
+
+    return main(["plan", *argv])
