@@ -18,19 +18,12 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import time
 
 import jax
 import jax.numpy as jnp
 
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
+from bench.common import cpu
 
 
 def steps(num_layers: int, kv_len: int = 2048, decode_batch: int = 8, prefill_len: int = 256):
@@ -82,7 +75,7 @@ def main(argv=None) -> None:
     measure(1)  # JAX's first lowering and compile in a process pay for its own start: not a step's
     rows = {n: measure(n) for n in depths}
     base = rows[min(depths)]
-    print(f"{_cpu_name()}, {os.cpu_count()} cores, jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print(f"{cpu()}, jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print("| layers | decode (batch 8): lower + compile, s | x | 256-token prefill: lower + compile, s | x |")
     print("|---:|---:|---:|---:|---:|")
     for n, row in rows.items():
@@ -92,7 +85,7 @@ def main(argv=None) -> None:
               f"{p['total_s']:.2f} | {p['total_s'] / base['prefill']['total_s']:.1f} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"cpu": _cpu_name(), "cores": os.cpu_count(), "jax": jax.__version__,
+            json.dump({"cpu": cpu(), "jax": jax.__version__,
                        "xla_flags": os.environ.get("XLA_FLAGS", ""), "layers": {str(n): r for n, r in rows.items()}},
                       f, indent=1)
 

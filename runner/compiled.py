@@ -15,8 +15,7 @@ from model.config import ModelConfig
 from runner.engine import serving_variants
 from runner.executor import Executor
 from runner.model_runner import ModelRunner
-from runner.runner import InferenceRunner, default_kv_buckets
-from runner.scheduler import Scheduler
+from runner.runner import InferenceRunner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +48,9 @@ def steps(config: ModelConfig, batch_size: int, *, pad_sizes=None, max_num_batch
                            decode_steps=decode_steps, speculative=speculative, score_prompts=score_prompts,
                            **fields)
     spec._check_fields()
-    sizes = spec._check_pad_sizes(config.sequence_len)
-    kv_buckets = default_kv_buckets(config.sequence_len)
-    scheduler = Scheduler(batch_size, sizes, kv_buckets, config.sequence_len, spec.max_num_batched_tokens,
-                          decode_steps, speculative=speculative)
+    scheduler = spec._scheduler(config, batch_size)
     prefills, decodes = serving_variants(scheduler, score_prompts)
-    return Steps(prefills, decodes, sizes, kv_buckets)
+    return Steps(prefills, decodes, scheduler.chunk_sizes, scheduler.kv_buckets)
 
 
 @dataclasses.dataclass(frozen=True)

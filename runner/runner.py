@@ -182,6 +182,13 @@ class InferenceRunner:
             raise ValueError(f"pad_sizes must be positive integers <= sequence_len ({s}), got {self.pad_sizes!r}")
         return tuple(sorted(set(int(p) for p in sizes)))
 
+    def _scheduler(self, config, batch_size: int, prefix: Optional[PrefixCache] = None) -> Scheduler:
+        """The scheduler of these settings for ``config`` in ``batch_size`` slots: a server's, and
+        what ``runner.compiled`` counts a server's compiled steps from."""
+        return Scheduler(batch_size, self._check_pad_sizes(config.sequence_len), default_kv_buckets(config.sequence_len),
+                         config.sequence_len, self.max_num_batched_tokens, self.decode_steps, prefix,
+                         speculative=self.speculative)
+
     def _check_fields(self) -> None:
         """``ValueError`` naming the first field that is out of range, before anything is loaded."""
         blocks, size = self.prefix_cache_blocks, self.prefix_block_size
@@ -375,7 +382,6 @@ def _build_engine(spec: InferenceRunner, startup: Startup) -> Engine:
     executor = Executor.create(spec.runner, mesh, spec.batch_size, spec.prefix_cache_blocks, size,
                                spec.prefix_cache_bytes, startup=startup)
     config = executor.config
-    pad_sizes = spec._check_pad_sizes(config.sequence_len)
     kv_buckets = default_kv_buckets(config.sequence_len)
     prefix = None
     if executor.prefix_blocks:
@@ -389,9 +395,7 @@ def _build_engine(spec: InferenceRunner, startup: Startup) -> Engine:
     if tokenizer is not None and tokenizer.vocab_size != config.vocab_size:
         raise ValueError(f"tokenizer {path} has {tokenizer.vocab_size} pieces but the model's "
                          f"vocab_size is {config.vocab_size}")
-    scheduler = Scheduler(executor.batch_size, pad_sizes, kv_buckets, config.sequence_len,
-                          spec.max_num_batched_tokens, spec.decode_steps, prefix,
-                          speculative=spec.speculative)
+    scheduler = spec._scheduler(config, executor.batch_size, prefix)
     outputs = OutputProcessor(tokenizer, config.eos_token, spec.grammar_of)
     return Engine(scheduler, executor, outputs, spec.prepare)
 
