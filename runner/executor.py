@@ -72,7 +72,7 @@ class Executor:
 
     def __init__(self, spec: ModelRunner, loaded: Loaded, batch_size: int, selection: Selection,
                  prefix_blocks: int, prefix_block_size: int, *, abstract: bool = False):
-        self.abstract = abstract
+        self.shapes_only = abstract  # ``Executor.abstract``: parameters and state are shapes
         self.spec, self.config, self.mesh = spec, loaded.config, loaded.mesh
         self.rules = DEFAULT_RULES if spec.rules is None else spec.rules
         self.tokenizer_path, self.batch_size, self.selection = loaded.tokenizer_path, batch_size, selection
@@ -81,9 +81,7 @@ class Executor:
         # shardings of the canonical parameters; the backend's layout is derived from them in place
         self.param_shardings = param_shardings(loaded.params, self.mesh, self.rules)
         if abstract:  # shapes placed by their shardings, nothing allocated (``Executor.abstract``)
-            self.params = jax.tree_util.tree_map(
-                lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                loaded.params, self.param_shardings)
+            self.params = _placed_shapes(loaded.params, self.param_shardings)
         else:
             self.params = selection.backend.prepare(jax.device_put(loaded.params, self.param_shardings))
         self._build()
@@ -291,12 +289,8 @@ class Executor:
         """A fresh decode state: zeroed memory, every slot free (placed, nothing compiled); an
         abstract executor's, its shapes placed by their shardings (nothing allocated)."""
         b, c, sh = self.batch_size, self.config, self._state_shardings
-        if self.abstract:
-            def put(tree, shardings):
-                return jax.tree_util.tree_map(
-                    lambda value, sharding: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding),
-                    tree, shardings)
-            placed_zeros = put
+        if self.shapes_only:
+            put = placed_zeros = _placed_shapes
         else:
             put, placed_zeros = jax.device_put, _zeros
         zeros = lambda shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
@@ -419,6 +413,12 @@ def _compiled(store, name: str, lowered):
     """``lowered`` compiled, and kept in ``store`` (``ExecutableStore.compile``) if there is one."""
     step_compiled()
     return lowered.compile() if store is None else store.compile(name, lowered)
+
+
+def _placed_shapes(tree, shardings):
+    """``jax.ShapeDtypeStruct``s of ``tree``'s leaves, each placed by its sharding in ``shardings``."""
+    return jax.tree_util.tree_map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), tree, shardings)
 
 
 def _zeros(abstract, shardings):
