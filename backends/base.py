@@ -29,9 +29,11 @@ class Backend:
     def grouped_matmul(self, x_RK, w, sizes_E, dtype):
         raise NotImplementedError
 
-    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperature_BT=None):
-        """Grok's capped attention; ``temperature_BT`` (float32, or None) multiplies each query's
-        capped logits (Grok-2's attention temperature)."""
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperature_BT=None, layer=None):
+        """Grok's capped attention over keys and values ``[B, K, S, H]``, or with ``layer`` (an
+        int, or the scan's traced index) over layer ``layer`` of every layer's ``[L, B, K, S, H]``
+        (``model.memory.KVMemory``: a backend may read it in place); ``temperature_BT`` (float32,
+        or None) multiplies each query's capped logits (Grok-2's attention temperature)."""
         raise NotImplementedError
 
     def sampling_cut(self, scaled_BV, top_k_B, nucleus_p_B):

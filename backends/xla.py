@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from backends.base import Backend
+from model.memory import layer_of
+from model.transformer import LAYERS, has_stacked_layers, layers_apart
 
 _MASKED = -1e30  # Grok-1: masked attention logits are set to -1e30
 
@@ -35,11 +37,22 @@ class XLA(Backend):
     """
 
     grouped: str = "ragged"
+    # How the decoder stack runs (``model.transformer.Transformer``): "scan", one layer compiled
+    # and looped over the stacked parameters (the canonical tree); "unrolled", each layer its own
+    # code over its own parameters, which ``prepare`` holds apart.
+    layers: str = "scan"
     name = "xla"
 
     def __post_init__(self):
         if self.grouped not in ("ragged", "loop"):
             raise ValueError(f"XLA(grouped=...) must be 'ragged' or 'loop', got {self.grouped!r}")
+        if self.layers not in LAYERS:
+            raise ValueError(f"{type(self).__name__}(layers=...) must be one of {LAYERS}, got {self.layers!r}")
+
+    def prepare(self, params):
+        if self.layers == "unrolled" and has_stacked_layers(params):
+            return layers_apart(params)
+        return params
 
     @classmethod
     def for_platform(cls, platform: str) -> "XLA":
@@ -47,7 +60,7 @@ class XLA(Backend):
 
     def describe(self) -> str:
         how = "jax.lax.ragged_dot" if self.grouped == "ragged" else "a loop of dots per expert"
-        return f"xla (the MoE's grouped matmul: {how})"
+        return f"xla (the MoE's grouped matmul: {how}; layers {self.layers})"
 
     def matmul(self, x, w, dtype):
         return jnp.einsum("...M,MN->...N", x.astype(dtype), w.astype(dtype))
@@ -64,7 +77,9 @@ class XLA(Backend):
         return loop_grouped_matmul(x_RK.astype(dtype), lambda x, e: x @ expert(w, e).astype(dtype),
                                    sizes_E, w.shape[-1], dtype)
 
-    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None):
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None, layer=None):
+        if layer is not None:  # the layer's slice of the stack (fused into its reads on GPU and TPU)
+            k_BKSH, v_BKSH = layer_of(k_BKSH, layer), layer_of(v_BKSH, layer)
         return attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT)
 
     def sampling_cut(self, scaled_BV, top_k_B, nucleus_p_B):

@@ -75,12 +75,12 @@ def layer_bytes(config) -> int:
 def decode_bytes(config, params, batch: int, context: int) -> int:
     """What one decode step must read: all weights but the unrouted experts, plus the KV cache."""
     c = config
-    per_layer = params["transformer"]["decoder_layer_0"]
-    moe = nbytes(per_layer["moe"])
-    rest = nbytes(per_layer) - moe
+    layers = params["transformer"]["layers"]  # every layer's, stacked
+    moe = nbytes(layers["moe"])
+    rest = nbytes(layers) - moe
     routed = moe * expected_experts(batch, c) / c.num_experts
     kv = 2 * batch * c.num_kv_heads * context * c.key_size * jnp.dtype(c.dtype).itemsize
-    return int(c.num_layers * (rest + routed + kv) + nbytes(params["language_model"]))
+    return int(rest + routed + c.num_layers * kv + nbytes(params["language_model"]))
 
 
 def prefill_flops(config, tokens: int) -> float:
@@ -184,7 +184,7 @@ def main(argv=None) -> None:
     else:
         out["skipped"].append("prefill")
     if left() > 30:
-        moe_params = params["transformer"]["decoder_layer_0"]["moe"]
+        moe_params = jax.tree_util.tree_map(lambda a: a[0], params["transformer"]["layers"]["moe"])  # layer 0
         x = jax.random.normal(jax.random.PRNGKey(1), (prefill_tokens, config.emb_size), jnp.bfloat16)
         probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(2), (prefill_tokens, config.num_experts)), -1)
         ragged = jax.jit(lambda p, x, pr: MoELayer(config, XLA(grouped="ragged")).apply(

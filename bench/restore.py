@@ -30,11 +30,11 @@ def write_checkpoint(directory: str) -> int:
     import jax
 
     from checkpoints.native import save_tensors
-    from checkpoints.materialize import declared_shapes
+    from checkpoints.materialize import disk_shapes
 
     rng = np.random.default_rng(0)
     entries = []
-    for name, shape in declared_shapes(CONFIG).items():
+    for name, shape in disk_shapes(CONFIG).items():
         if name.endswith("/w") and len(shape) >= 2 and "router" not in name:
             scales = shape[:-2] + (1, shape[-1])
             entries.append((name + "/weight", shape, np.dtype(np.int8),

@@ -96,7 +96,9 @@ def transposed(t: LazyTensor) -> LazyTensor:
 
 
 def stacked(parts: list[LazyTensor], source: str) -> LazyTensor:
-    """Equal tensors stacked on a new leading axis (one expert each): ``[len(parts), *shape]``."""
+    """Equal tensors stacked on a new leading axis (one expert, or one layer, each):
+    ``[len(parts), *shape]``. A read fills one buffer part by part: the parts' slices are never
+    all held beside it."""
     shape, dtype = parts[0].shape, np.dtype(parts[0].dtype)
     for p in parts[1:]:
         if p.shape != shape or np.dtype(p.dtype) != dtype:
@@ -106,9 +108,10 @@ def stacked(parts: list[LazyTensor], source: str) -> LazyTensor:
     def read_slice(index):
         (e0, e1), *rest = _bounds(index, (len(parts), *shape))
         rest = tuple(slice(a, b) for a, b in rest)
-        if e1 <= e0:
-            return np.zeros((0, *(b - a for a, b in _bounds(rest, shape))), dtype)
-        return np.stack([parts[e].read(rest) for e in range(e0, e1)])
+        out = np.empty((max(e1 - e0, 0), *(b - a for a, b in _bounds(rest, shape))), dtype)
+        for e in range(e0, e1):
+            out[e - e0] = parts[e].read(rest)
+        return out
 
     return LazyTensor(source, (len(parts), *shape), dtype, read_slice)
 

@@ -18,12 +18,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from checkpoints.lazy import LazyQuantized, LazyTensor, dequantized_slice
+from checkpoints.lazy import LazyQuantized, LazyTensor, dequantized_slice, stacked
 from checkpoints.native import load_config, regular_file
 from checkpoints.safe_pickle import CheckpointError
 from model.config import PRESETS, ModelConfig
 from model.quant import QuantizedWeight8bit
 from model.sharding import param_shardings, path_str
+from model.tree import STACKED, layer_name, split_layer_name
 
 
 def resolve_config(config) -> ModelConfig:
@@ -50,16 +51,59 @@ def _is_float(dtype) -> bool:
 
 
 def declared_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Declared shape of every parameter path of ``config``."""
+    """Declared shape of every parameter path of ``config`` (the layers' stacked: ``[L, ...]``
+    under ``transformer/layers``)."""
     from model.plan import abstract_params as shapes_of
 
     flat = jax.tree_util.tree_flatten_with_path(shapes_of(config))[0]
     return {path_str(path): tuple(leaf.shape) for path, leaf in flat}
 
 
+def disk_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor a checkpoint of ``config`` holds, by its on-disk name: each layer's
+    apart (``transformer/decoder_layer_<i>/...``), as Grok-1's tree names them."""
+    shapes = {}
+    for name, shape in declared_shapes(config).items():
+        if name.startswith(STACKED):
+            shapes.update({layer_name(name, i): shape[1:] for i in range(shape[0])})
+        else:
+            shapes[name] = shape
+    return shapes
+
+
+def stack_layers(sources: dict) -> dict:
+    """Checked on-disk sources (``check_sources``) with each layer's tensors joined into the
+    model's stacked parameter (``[L, ...]``, read slice by slice like any source: a device's
+    slice of every layer is read straight into one buffer, never a second copy of a layer)."""
+    out, layers = {}, collections.defaultdict(dict)
+    for name, source in sources.items():
+        split = split_layer_name(name)
+        if split is None:
+            out[name] = source
+        else:
+            layers[split[0]][split[1]] = source
+    for name, by_layer in layers.items():
+        parts = [by_layer[i] for i in range(len(by_layer))]
+        kinds = {isinstance(p, LazyQuantized) for p in parts}
+        try:
+            if kinds == {True}:
+                out[name] = LazyQuantized(stacked([p.weight for p in parts], f"{parts[0].weight.source} ... (every layer)"),
+                                          stacked([p.scales for p in parts], f"{parts[0].scales.source} ... (every layer)"))
+            elif kinds == {False}:
+                out[name] = stacked(parts, f"{parts[0].source} ... (every layer)")
+            else:
+                int8 = next(i for i, p in enumerate(parts) if isinstance(p, LazyQuantized) != isinstance(parts[0], LazyQuantized))
+                raise ValueError(f"{layer_name(name, int8)} is {'int8' if isinstance(parts[int8], LazyQuantized) else 'float'}"
+                                 f" and {layer_name(name, 0)} is not: the layers of one parameter are one stack")
+        except ValueError as e:  # the layers' tensors differ in shape or dtype (each was checked alone)
+            raise CheckpointError(f"{e} (every layer's {name[len(STACKED):]} must share its shape and dtype)") from None
+    return out
+
+
 def check_sources(sources: dict, config: ModelConfig) -> None:
-    """Every declared parameter present with its shape and a sensible dtype; nothing extra."""
-    expected = declared_shapes(config)
+    """Every parameter of ``config`` present under its on-disk name (``disk_shapes``) with its
+    shape and a sensible dtype; nothing extra."""
+    expected = disk_shapes(config)
     missing = sorted(set(expected) - set(sources))
     if missing:
         raise CheckpointError(f"checkpoint is missing tensor(s) {missing[:5]}"
@@ -118,12 +162,14 @@ def _placeholder(source):
 def materialize(sources: dict, config: ModelConfig, *, mesh: Mesh | None, dtype=None,
                 dequantize: bool = False, rules: dict | None = None, to_host: bool = False,
                 progress: bool | None = None) -> dict:
-    """Build the parameter tree from lazy sources, each device reading only its own slice.
+    """Build the parameter tree from lazy sources (by their on-disk names), each device reading
+    only its own slice; the layers' are stacked (``stack_layers``).
 
     ``dtype`` casts float parameters (and int8 scales); ``dequantize`` turns int8 weights into
     ``dtype`` (default float32) arrays at load. ``to_host`` returns numpy arrays instead.
     """
     check_sources(sources, config)
+    sources = stack_layers(sources)
     total = sum(s.nbytes for s in sources.values())
     bar = None
     if progress or (progress is None and total > (1 << 30)):

@@ -31,6 +31,7 @@ from checkpoints.lazy import LazyQuantized, LazyTensor
 from checkpoints.safe_pickle import CheckpointError, regular_file
 from model.config import ModelConfig
 from model.sharding import path_str
+from model.tree import STACKED, layer_name
 
 FORMAT = "grok1-jax-runner/1"
 INDEX = "model.safetensors.index.json"
@@ -97,9 +98,16 @@ def load_config(path: str, checkpoint: bool = False) -> ModelConfig:
 
 # ---- writing -----------------------------------------------------------------------------
 def flatten_tensors(params) -> list[tuple[str, object]]:
-    """(name, array-like) for every tensor, int8 weights split into weight and scales."""
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    return [(path_str(path), leaf) for path, leaf in flat]
+    """(on-disk name, array-like) for every tensor, int8 weights split into weight and scales, the
+    stacked layers' split into one tensor a layer (``transformer/decoder_layer_<i>/...``)."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = path_str(path)
+        if name.startswith(STACKED):
+            out += [(layer_name(name, i), leaf[i]) for i in range(leaf.shape[0])]
+        else:
+            out.append((name, leaf))
+    return out
 
 
 class SafetensorsWriter:

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from checkpoints.grok1_layout import open_original
 from checkpoints.hf_layout import config_from_hf, is_hf_config, open_hf
 from checkpoints.materialize import (_nest, _placeholder, check_sources, check_tokenizer, config_differences,
-                                     materialize, resolve_config)
+                                     materialize, resolve_config, stack_layers)
 from checkpoints.native import CONFIG, FORMAT, open_native, read_json
 from checkpoints.safe_pickle import CheckpointError
 from model.config import ModelConfig
@@ -107,7 +107,7 @@ def inspect(directory: str, config=None, tokenizer: str | None = None, *, need_t
         raise CheckpointError(f"{directory}: no {named} in it{' or its parent directory' if layout == 'original' else ''}: "
                               f"pass --tokenizer PATH{where}")
     check_tokenizer(tokenizer_path, config)
-    params = _nest({name: _placeholder(source) for name, source in sources.items()})
+    params = _nest({name: _placeholder(source) for name, source in stack_layers(sources).items()})
     return Inspected(layout, config, params, tokenizer_path, sources)
 
 

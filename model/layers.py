@@ -23,7 +23,7 @@ from model.quant import QuantizedWeight8bit, dequantize
 from model.partitioning import constrain
 
 RESIDUAL = ("batch", "seq", "act_embed")
-CACHE = ("batch", "cache_kv_heads", "cache_sequence", "head_dim")
+CACHE = ("layers", "batch", "cache_kv_heads", "cache_sequence", "head_dim")  # KVMemory.k, .v
 
 
 
@@ -160,12 +160,14 @@ class MultiHeadAttention(nn.Module):
     backend: object  # what runs the matmuls and the attention (a backends.Backend, passed in)
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, mask_BTS, cache=None):
+    def __call__(self, x_BTD, positions_BT, mask_BTS, cache=None, layer=0):
         """``mask_BTS[b, t, s]`` says whether query t of row b may attend to key s.
 
-        Without ``cache`` the keys are this chunk's own (S = T). With ``cache = (k_BKSH, v_BKSH)``
-        (positions third: a step reads them without a transpose) the chunk's K/V are written at
-        ``positions_BT`` first and the keys are the whole cache; the updated cache is returned.
+        Without ``cache`` the keys are this chunk's own (S = T). With ``cache = (k, v)``, every
+        layer's ``[L, B, K, S, H]`` (positions fourth: a step reads them without a transpose), the
+        chunk's K/V are written into layer ``layer`` (an int, or the scan's traced index) at
+        ``positions_BT`` first and the keys are that layer's whole cache; the updated stack is
+        returned.
         """
         c, backend = self.config, self.backend
         d, n, k, h = c.emb_size, c.num_q_heads, c.num_kv_heads, c.key_size
@@ -188,17 +190,18 @@ class MultiHeadAttention(nn.Module):
             rows_BT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
             # a scatter that drops a padded position past sequence_len; an int8 cache quantises
             # the chunk's K/V as it writes them, so the chunk attends to them as rounded too
-            cache = tuple(write_kv(full, rows_BT, positions_BT, new) for full, new in zip(cache, (k_BTKH, v_BTKH)))
+            cache = tuple(write_kv(full, layer, rows_BT, positions_BT, new)
+                          for full, new in zip(cache, (k_BTKH, v_BTKH)))
             cache = jax.tree_util.tree_map(lambda x: constrain(x, CACHE), cache)  # never resharded
-            k_BKSH, v_BKSH = cache
-            # The backend attends to the first S positions only (S = the mask's length: a bucket
-            # that covers every row's valid positions), so a step reads the KV it needs.
+            # The backend reads layer ``layer`` of the stack, and of it the first S positions only
+            # (S = the mask's length: a bucket that covers every row's valid positions).
+            k_BKSH, v_BKSH, read = *cache, layer
         else:
-            k_BKSH, v_BKSH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
+            k_BKSH, v_BKSH, read = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3), None
 
         temperature_BT = attention_temperature(positions_BT, c.attn_temperature_len) if c.attn_temperature_len else None
         out_BTNH = backend.attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, c.attn_output_multiplier, c.attn_logit_cap,
-                                     temperature_BT)
+                                     temperature_BT, layer=read)
         out_BTD = backend.matmul(out_BTNH.reshape(b, t, n * h), wo, dtype)
         return out_BTD, cache
 
@@ -292,10 +295,15 @@ class DecoderLayer(nn.Module):
     backend: object  # what runs the matmuls and the attention (a backends.Backend, passed in)
 
     @nn.compact
-    def __call__(self, h_BTD, *, positions_BT, mask_BTS, cache=None, valid_BT=None):
+    def __call__(self, carry, layer, positions_BT, mask_BTS, valid_BT=None):
+        """``carry = (h_BTD, cache)``: the residual stream and every layer's ``(k, v)``
+        (``model.memory.KVMemory``; None without memory), of which this block writes and reads
+        layer ``layer``. Returns the new carry and None: the signature of a step of ``nn.scan``
+        (``model.transformer.Transformer``)."""
+        h_BTD, cache = carry
         c = self.config
         attn_BTD, cache = MultiHeadAttention(c, self.backend, name="multi_head_attention")(
-            RMSNorm(c.rms_norm_eps, name="rms_norm")(h_BTD), positions_BT, mask_BTS, cache)
+            RMSNorm(c.rms_norm_eps, name="rms_norm")(h_BTD), positions_BT, mask_BTS, cache, layer)
         self.sow("intermediates", "attn_out", attn_BTD)
         h_BTD = constrain(h_BTD + RMSNorm(c.rms_norm_eps, name="rms_norm_1")(attn_BTD), RESIDUAL)
 
@@ -317,4 +325,4 @@ class DecoderLayer(nn.Module):
         self.sow("intermediates", "moe_out", moe_BTD)
         h_BTD = constrain(h_BTD + RMSNorm(c.rms_norm_eps, name="rms_norm_3")(moe_BTD), RESIDUAL)
         self.sow("intermediates", "h_out", h_BTD)
-        return h_BTD, cache
+        return (h_BTD, cache), None

@@ -1,8 +1,11 @@
-"""``KVMemory``: the per-layer key/value cache, a pytree updated in place through donated buffers.
+"""``KVMemory``: the key/value cache of every layer, a pytree updated in place through donated buffers.
 
 Invariants:
-- ``k[l]`` and ``v[l]`` are ``[B, K, S, H]`` (batch rows, KV heads, ``sequence_len`` positions,
-  key_size: the layout attention reads without a transpose; the reference's is ``[B, S, K, H]``).
+- ``k`` and ``v`` are ``[L, B, K, S, H]`` (layers, batch rows, KV heads, ``sequence_len``
+  positions, key_size), one array each for the whole stack: the decoder is a scan over layers
+  (``model.transformer``) and layer ``l`` reads and writes ``k[l]`` inside the loop, in place.
+  ``[B, K, S, H]`` is the layout attention reads without a transpose (the reference's is
+  ``[B, S, K, H]``, a tuple of layers).
   ``step[b]`` is the number of valid positions of row ``b``: positions ``[0, step[b])`` hold the
   keys/values of that row's tokens, everything at or after ``step[b]`` is garbage and is
   never attended to.
@@ -12,9 +15,9 @@ Invariants:
   overwritten later; positions ``>= sequence_len`` are dropped, never clamped onto valid data.
 - Rows are independent: writing row i never reads or changes row j. A free slot is simply a row
   whose ``step`` is reset to 0 before its next prompt; old contents need no zeroing.
-- In an int8 cache (``new_memory(..., dtype="int8")``) each of ``k[l]``, ``v[l]`` is a
-  ``QuantizedKV``: int8 values ``[B, K, S, H]`` and one float32 scale a row, KV head and position
-  ``[B, K, S, 1]`` (the same leading axes, so every positional operation on the cache is a
+- In an int8 cache (``new_memory(..., dtype="int8")``) each of ``k``, ``v`` is a
+  ``QuantizedKV``: int8 values ``[L, B, K, S, H]`` and one float32 scale a layer, row, KV head and
+  position ``[L, B, K, S, 1]`` (the same leading axes, so every positional operation on the cache is a
   ``tree_map`` over either kind). A position's K (or V) of one head is written once, quantised
   with its own scale, and attention reads only dequantised values: everything a query attends
   to, its own chunk included, went through the same rounding, whichever way the prompt was cut.
@@ -35,8 +38,8 @@ KV_DTYPES = ("float32", "bfloat16", "int8")  # what a cache may hold (None: the 
 
 @flax.struct.dataclass
 class QuantizedKV:
-    """One layer's int8 keys (or values): ``values [B, K, S, H]`` int8 and ``scales [B, K, S, 1]``
-    float32, ``x = values * scales`` (per token and KV head: a token's K of one head is quantised
+    """Int8 keys (or values): ``values [..., S, H]`` int8 and ``scales [..., S, 1]`` float32 (the
+    whole stack ``[L, B, K, S, H]``, or one layer's ``[B, K, S, H]``), ``x = values * scales`` (per token and KV head: a token's K of one head is quantised
     when it is written and never again). Like ``QuantizedWeight8bit`` it gives its value in a
     dtype by ``astype``; positional operations are ``jax.tree_util.tree_map`` over both leaves."""
 
@@ -78,19 +81,31 @@ def set_at(full, index, new):
     return bits(bits(full, jnp.uint16).at[index].set(bits(new, jnp.uint16), mode="drop"), jnp.bfloat16)
 
 
-def write_kv(cache, rows_BT, positions_BT, new_BTKH):
-    """``cache`` (``[B, K, S, H]`` float, or a ``QuantizedKV``) with ``new_BTKH [B, T, K, H]``
-    written at ``(rows_BT, positions_BT)``; a position past ``S`` is dropped, never clamped onto
-    valid entries (XLA's ``dynamic_update_slice`` would clamp)."""
+def write_kv(cache, layer, rows_BT, positions_BT, new_BTKH):
+    """``cache`` (``[L, B, K, S, H]`` float, or a ``QuantizedKV``) with ``new_BTKH [B, T, K, H]``
+    written into layer ``layer`` (an int, or a traced scalar inside the scan) at ``(rows_BT,
+    positions_BT)``; a position past ``S`` is dropped, never clamped onto valid entries (XLA's
+    ``dynamic_update_slice`` would clamp). The rest of the stack is untouched: in a loop over
+    layers the write is in place."""
     new = quantize_kv(new_BTKH) if isinstance(cache, QuantizedKV) else new_BTKH
-    return jax.tree_util.tree_map(lambda full, x: set_at(full, (rows_BT, slice(None), positions_BT), x), cache, new)
+    return jax.tree_util.tree_map(
+        lambda full, x: set_at(full, (layer, rows_BT, slice(None), positions_BT), x), cache, new)
+
+
+def layer_of(cache, layer):
+    """Layer ``layer`` of a stacked cache ``[L, B, K, S, H]`` (float or ``QuantizedKV``): ``[B, K, S, H]``."""
+    return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), cache)
 
 
 @flax.struct.dataclass
 class KVMemory:
-    k: tuple[jax.Array | QuantizedKV, ...]  # num_layers x [B, K, S, H]
-    v: tuple[jax.Array | QuantizedKV, ...]  # num_layers x [B, K, S, H]
+    k: jax.Array | QuantizedKV  # [L, B, K, S, H]
+    v: jax.Array | QuantizedKV  # [L, B, K, S, H]
     step: jax.Array  # [B] int32: valid positions per row
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
 
     @property
     def batch_size(self) -> int:
@@ -98,7 +113,7 @@ class KVMemory:
 
     @property
     def sequence_len(self) -> int:
-        return self.k[0].shape[2]
+        return self.k.shape[3]
 
     def check_fits(self, lengths) -> None:
         """Raise ``ValueError`` if writing ``lengths`` more tokens would pass ``sequence_len``.
@@ -120,18 +135,14 @@ def new_memory(config: ModelConfig, batch_size: int, sequence_len: int | None = 
                dtype=None) -> KVMemory:
     """A zeroed ``KVMemory`` for ``batch_size`` rows (``sequence_len`` defaults to the config's)
     holding ``dtype`` (one of ``KV_DTYPES``; default: the activations' dtype; "int8": a
-    ``QuantizedKV`` per layer)."""
+    ``QuantizedKV``)."""
     sequence_len = config.sequence_len if sequence_len is None else sequence_len
     if batch_size <= 0 or sequence_len <= 0:
         raise ValueError(f"new_memory needs positive batch_size and sequence_len, got "
                          f"{batch_size} and {sequence_len}")
-    shape = (batch_size, config.num_kv_heads, sequence_len, config.key_size)
-    zeros = lambda: kv_zeros(shape, config.dtype if dtype is None else dtype)  # noqa: E731 - a fresh buffer a leaf
-    return KVMemory(
-        k=tuple(zeros() for _ in range(config.num_layers)),
-        v=tuple(zeros() for _ in range(config.num_layers)),
-        step=jnp.zeros((batch_size,), jnp.int32),
-    )
+    shape = (config.num_layers, batch_size, config.num_kv_heads, sequence_len, config.key_size)
+    dtype = config.dtype if dtype is None else dtype
+    return KVMemory(k=kv_zeros(shape, dtype), v=kv_zeros(shape, dtype), step=jnp.zeros((batch_size,), jnp.int32))
 
 
 def kv_zeros(shape, dtype):

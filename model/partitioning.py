@@ -26,6 +26,7 @@ DEFAULT_RULES: dict[str, object] = {
     "kv_heads": "model",
     "mlp": "model",
     "experts": None,
+    "layers": None,  # the stacked layers' axis (the scan's), and the KV memory's: never sharded
     "router_experts": None,
     "norm": None,
     # KV memory
@@ -44,7 +45,7 @@ DEFAULT_RULES: dict[str, object] = {
 # Expert parallelism: experts over ``model``, each expert's FFN whole on its device.
 EXPERT_PARALLEL_RULES = {**DEFAULT_RULES, "experts": "model", "mlp": None}
 
-KV_MEMORY_AXES = ("batch", "cache_kv_heads", "cache_sequence", "head_dim")  # KVMemory is [B, K, S, H]
+KV_MEMORY_AXES = ("layers", "batch", "cache_kv_heads", "cache_sequence", "head_dim")  # KVMemory is [L, B, K, S, H]
 
 
 def spec_for(axes: tuple[str, ...], rules: dict) -> P:

@@ -157,7 +157,7 @@ def memory_plan(config: ModelConfig, params=None, *, mesh_shape=(1, 1), batch_si
         by_dtype[jnp.dtype(leaf.dtype).name] += _shard_bytes(leaf.shape, leaf.dtype, spec, mesh)
         total += int(np.prod(leaf.shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
     kv_dtype = jnp.dtype(config.dtype if kv_dtype is None else kv_dtype)
-    kv_spec = P(None, *spec_for(KV_MEMORY_AXES, rules)[1:])
+    kv_spec = P(None, *spec_for(KV_MEMORY_AXES[2:], rules))  # one layer's, one row's
     kv_token_shape = (1, config.num_kv_heads, 1, config.key_size)  # [B, K, S, H]
     per_token = 2 * config.num_layers * _shard_bytes(kv_token_shape, kv_dtype, kv_spec, mesh)
     if kv_dtype == jnp.int8:  # and a float32 scale a token and KV head (model.memory.QuantizedKV)

@@ -17,7 +17,6 @@ so scale groups work on any mesh, unlike the reference's (which needs exactly 8 
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import numpy as np
@@ -47,7 +46,7 @@ def make_mesh(shape: tuple[int, int] = (1, 1), devices=None) -> Mesh:
 
 @functools.lru_cache(maxsize=None)
 def _declared_axes() -> dict[str, tuple[str, ...]]:
-    """Logical axes by path (every layer's under ``decoder_layer_0``), as the layers declare them."""
+    """Logical axes by path (the layers' stacked under ``transformer/layers``), as the layers declare them."""
     from model.config import TINY_GROK2
     from model.transformer import declared_params
 
@@ -57,7 +56,7 @@ def _declared_axes() -> dict[str, tuple[str, ...]]:
 
 def logical_axes(path: str) -> tuple[str, ...]:
     """The logical axes the model's layers declare for the parameter at ``path``."""
-    axes = _declared_axes().get(re.sub(r"decoder_layer_[0-9]+/", "decoder_layer_0/", path))
+    axes = _declared_axes().get(path)
     if axes is None:
         raise ValueError(f"parameter {path!r} is declared by no layer of the model (model/layers.py)")
     return axes
@@ -113,9 +112,9 @@ def memory_specs(memory, rules: dict | None = None, mesh: Mesh | None = None):
     """Specs for a ``KVMemory``: batch over data, KV heads over model, never resharded per step."""
     rules = DEFAULT_RULES if rules is None else rules
     kv = spec_for(KV_MEMORY_AXES, rules)
-    step = spec_for(KV_MEMORY_AXES[:1], rules)
+    step = spec_for(("batch",), rules)
     if mesh is not None:
-        check_divisible("KVMemory.k", memory.k[0].shape, kv, mesh)
+        check_divisible("KVMemory.k", memory.k.shape, kv, mesh)
     return type(memory)(k=jax.tree_util.tree_map(lambda _: kv, memory.k),  # an int8 record: both leaves
                         v=jax.tree_util.tree_map(lambda _: kv, memory.v), step=step)
 

@@ -3,7 +3,8 @@
 ``forward(params, tokens, config, memory=..., lengths=...)`` is the pure function everything else
 calls; ``LanguageModel`` is the Flax module behind it. The parameter pytree mirrors Grok-1's Haiku
 tree: ``{"language_model": {"in_out_embed": {"embeddings"}, "rms_norm": {"scale"}},
-"transformer": {"decoder_layer_<i>": {...}}}``.
+"transformer": {"layers": {...}}}``, where every leaf under ``layers`` is its
+``decoder_layer_<i>`` stacked over the layers on a new leading axis (``Transformer`` scans them).
 """
 
 from __future__ import annotations
@@ -76,22 +77,72 @@ class LanguageModelHead(nn.Module):
         return logits_BTV
 
 
+LAYERS = ("scan", "unrolled")  # how the decoder stack runs (a backend's ``layers``)
+
+
 class Transformer(nn.Module):
+    """The decoder stack. ``"scan"`` (the default): one ``DecoderLayer`` scanned over the
+    parameters of every layer stacked on a leading axis (``transformer/layers/...``, logical
+    axis "layers"), so a compiled step holds one layer whatever the depth, and the KV memory is
+    carried through the loop and written in place. ``"unrolled"`` (a backend's choice, made in its
+    ``prepare``, which holds each layer's parameters apart as ``transformer/decoder_layer_<i>``):
+    a Python loop of ``num_layers`` blocks, for a backend whose kernels read a slice of a stacked
+    weight only through a copy (``backends.cpu``)."""
+
     config: ModelConfig
     backend: object
 
     @nn.compact
     def __call__(self, h_BTD, *, positions_BT, mask_BTS, memory: KVMemory | None, valid_BT=None):
-        new_k, new_v = [], []
-        for i in range(self.config.num_layers):
-            cache = None if memory is None else (memory.k[i], memory.v[i])
-            with jax.named_scope(f"decoder_layer_{i}"):
-                h_BTD, cache = DecoderLayer(self.config, self.backend, name=f"decoder_layer_{i}")(
-                    h_BTD, positions_BT=positions_BT, mask_BTS=mask_BTS, cache=cache, valid_BT=valid_BT)
-            if cache is not None:
-                new_k.append(cache[0])
-                new_v.append(cache[1])
-        return h_BTD, (tuple(new_k), tuple(new_v))
+        c = self.config
+        carry = (h_BTD, None if memory is None else (memory.k, memory.v))
+        if getattr(self.backend, "layers", "scan") == "unrolled":
+            for i in range(c.num_layers):
+                with jax.named_scope(f"decoder_layer_{i}"):
+                    carry, _ = DecoderLayer(c, self.backend, name=f"decoder_layer_{i}")(
+                        carry, i, positions_BT, mask_BTS, valid_BT)
+            return carry
+        stack = nn.scan(DecoderLayer, variable_axes={"params": 0, "intermediates": 0},
+                        split_rngs={"params": True}, in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                        length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+        carry, _ = stack(c, self.backend, name="layers")(
+            carry, jnp.arange(c.num_layers, dtype=jnp.int32), positions_BT, mask_BTS, valid_BT)
+        return carry
+
+
+def sown(intermediates, name: str) -> jax.Array:
+    """Every layer's intermediate ``name`` (``DecoderLayer`` sows ``attn_out``, ``router_probs``,
+    ``mlp_out``, ``moe_out``, ``h_out``) from ``apply(..., mutable=["intermediates"])``, stacked:
+    ``[L, ...]``, whichever way the stack ran."""
+    tree = intermediates["transformer"]
+    if "layers" in tree:
+        return tree["layers"][name][0]
+    names = sorted((k for k in tree if k.startswith("decoder_layer_")), key=lambda k: int(k[14:]))
+    return jnp.stack([tree[k][name][0] for k in names])
+
+
+def has_stacked_layers(params) -> bool:
+    """Whether ``params`` is a whole model's tree with its layers stacked (``transformer/layers``)."""
+    return isinstance(params, dict) and isinstance(params.get("transformer"), dict) and "layers" in params["transformer"]
+
+
+def layers_apart(params, take=lambda a, i: a[i]) -> dict:
+    """``params`` with the stacked layers (``transformer/layers``, every leaf ``[L, ...]``) held
+    apart, one subtree a layer (``transformer/decoder_layer_<i>``): the tree of the ``"unrolled"``
+    stack. ``take(leaf, i)`` takes layer i of a leaf (a view, for a host array)."""
+    stack = params["transformer"]["layers"]
+    layers = jax.tree_util.tree_leaves(stack)[0].shape[0]
+    apart = {f"decoder_layer_{i}": jax.tree_util.tree_map(lambda a, i=i: take(a, i), stack) for i in range(layers)}
+    return {**params, "transformer": {**{k: v for k, v in params["transformer"].items() if k != "layers"}, **apart}}
+
+
+def layers_together(params, stack=lambda parts: jnp.stack(parts)) -> dict:
+    """The inverse of ``layers_apart``: each layer's leaves (arrays, or any pytree of them alike
+    in every layer) stacked by ``stack`` into ``transformer/layers``."""
+    names = sorted((k for k in params["transformer"] if k.startswith("decoder_layer_")), key=lambda k: int(k[14:]))
+    together = jax.tree_util.tree_map(lambda *parts: stack(parts), *(params["transformer"][k] for k in names))
+    rest = {k: v for k, v in params["transformer"].items() if not k.startswith("decoder_layer_")}
+    return {**params, "transformer": {**rest, "layers": together}}
 
 
 def attention_mask(tokens_BT, lengths_B, pad_token: int | None, step_B=None, sequence_len=None):
@@ -156,14 +207,14 @@ class LanguageModel(nn.Module):
 
         head = LanguageModelHead(c, self.backend, name="language_model")
         h_BTD = head.embed(tokens_BT)
-        h_BTD, (k, v) = Transformer(c, self.backend, name="transformer")(
+        h_BTD, cache = Transformer(c, self.backend, name="transformer")(
             h_BTD, positions_BT=positions_BT, mask_BTS=mask_BTS, memory=memory, valid_BT=valid_BT)
         if last_only:
             # Only the last real token's hidden state is unembedded (prefill): [B, 1, D].
             last_B = jnp.maximum(lengths_B - 1, 0)
             h_BTD = jnp.take_along_axis(h_BTD, last_B[:, None, None], axis=1)
         logits = head.unembed(h_BTD)
-        new_memory = None if memory is None else KVMemory(k=k, v=v, step=memory.step + lengths_B)
+        new_memory = None if memory is None else KVMemory(k=cache[0], v=cache[1], step=memory.step + lengths_B)
         return ForwardOutput(logits=logits, memory=new_memory)
 
 
@@ -199,9 +250,12 @@ def _apply(params, tokens, memory, lengths, *, config, last_only, backend, kv_le
     return LanguageModel(config, backend).apply({"params": params}, tokens, memory, lengths, last_only, kv_len)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Shapes:
     """The backend of ``init``: Flax initialises parameters by running the forward once, whose
     values are thrown away, so its operations need only their outputs' shapes (zeros)."""
+
+    layers: str = "scan"
 
     def matmul(self, x, w, dtype):
         return jnp.zeros(x.shape[:-1] + w.shape[-1:], dtype)
@@ -215,17 +269,19 @@ class _Shapes:
     def grouped_matmul(self, x_RK, w, sizes_E, dtype):
         return jnp.zeros(x_RK.shape[:-1] + w.shape[-1:], dtype)
 
-    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None):
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None, layer=None):
         return jnp.zeros_like(q_BTNH)
 
 
-def _init(config: ModelConfig, rng):
-    return LanguageModel(config, _Shapes()).init(rng, jnp.zeros((1, 1), jnp.int32))
+def _init(config: ModelConfig, rng, layers: str = "scan"):
+    return LanguageModel(config, _Shapes(layers)).init(rng, jnp.zeros((1, 1), jnp.int32))
 
 
 def init_params(config: ModelConfig, rng) -> dict:
-    """Fresh random parameters (fan-in scaled normals, unit norm scales) in float32."""
-    return nn.meta.unbox(_init(config, rng)["params"])
+    """Fresh random parameters (fan-in scaled normals, unit norm scales) in float32. Each layer
+    is drawn under its own name (``decoder_layer_<i>``, as Grok-1's tree and the checkpoints name
+    it) and the layers are then stacked: a seed gives the same weights however the stack runs."""
+    return layers_together(nn.meta.unbox(_init(config, rng, "unrolled")["params"]))
 
 
 def declared_params(config: ModelConfig, num_layers: int | None = None) -> dict[str, tuple[tuple, tuple]]:

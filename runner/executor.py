@@ -189,14 +189,13 @@ class Executor:
         its KV heads split like the cache's."""
         if not self.prefix_blocks:
             return None
-        block = self._named(P(None, *spec_for(KV_MEMORY_AXES[1:], self.rules)))
+        block = self._named(P(None, None, *spec_for(KV_MEMORY_AXES[2:], self.rules)))
         return jax.tree_util.tree_map(lambda _: block, jax.eval_shape(self._new_pool))
 
     def _new_pool(self) -> PrefixPool:
         c = self.config
-        shape = (self.prefix_blocks, c.num_kv_heads, self.prefix_block_size, c.key_size)
-        return PrefixPool(k=tuple(kv_zeros(shape, self.cache_dtype()) for _ in range(c.num_layers)),
-                          v=tuple(kv_zeros(shape, self.cache_dtype()) for _ in range(c.num_layers)))
+        shape = (c.num_layers, self.prefix_blocks, c.num_kv_heads, self.prefix_block_size, c.key_size)
+        return PrefixPool(k=kv_zeros(shape, self.cache_dtype()), v=kv_zeros(shape, self.cache_dtype()))
 
     # ---- the jitted steps ----------------------------------------------------------------------
     def _build(self) -> None:

@@ -67,20 +67,21 @@ def ends(token_B, stop_ids_BS, remaining_B):
 
 @flax.struct.dataclass
 class PrefixPool:
-    """The device's prefix block pool: per layer, ``[num_blocks, K, block, H]`` keys and values
-    of prompt prefixes, in the cache's dtype; ``runner.prefix_cache.PrefixCache`` says which
-    block holds what. A block is only ever copied into a slot, never attended in place."""
+    """The device's prefix block pool: ``[L, num_blocks, K, block, H]`` keys and values of prompt
+    prefixes (every layer's, like ``KVMemory``), in the cache's dtype (or int8 records);
+    ``runner.prefix_cache.PrefixCache`` says which block holds what. A block is only ever copied
+    into a slot, never attended in place."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: jax.Array
+    v: jax.Array
 
     @property
     def num_blocks(self) -> int:
-        return self.k[0].shape[0]
+        return self.k.shape[1]
 
     @property
     def block_size(self) -> int:
-        return self.k[0].shape[2]
+        return self.k.shape[3]
 
 
 @flax.struct.dataclass

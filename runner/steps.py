@@ -37,8 +37,8 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
     memory, b = state.memory, state.tokens.shape[0]
     slots = batch.slots  # b for a padding row: read as zeros, written nowhere
 
-    def rows(full):
-        return jnp.take(full[:, :, :kv_len], slots, axis=0, mode="fill", fill_value=0)
+    def rows(full):  # [L, P, K, kv_len, H]
+        return jnp.take(full[:, :, :, :kv_len], slots, axis=1, mode="fill", fill_value=0)
 
     step = jnp.take(memory.step, slots, mode="fill", fill_value=0)
     k, v = jax.tree_util.tree_map(rows, (memory.k, memory.v))  # arrays, or int8 records (QuantizedKV)
@@ -56,7 +56,7 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
         scores, logits = None, out.logits[:, -1]
 
     def put(full, new):
-        return set_at(full, (slots, slice(None), slice(None, kv_len)), new)
+        return set_at(full, (slice(None), slots, slice(None), slice(None, kv_len)), new)
 
     k, v = jax.tree_util.tree_map(put, (memory.k, memory.v), (out.memory.k, out.memory.v))
     memory = KVMemory(k=k, v=v, step=memory.step.at[slots].set(out.memory.step, mode="drop"))
@@ -75,18 +75,18 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
 
 
 def read_prefix(pool: PrefixPool, batch: PrefillBatch, k_rows, v_rows, kv_len: int):
-    """The rows' caches ``[P, K, kv_len, H]`` per layer with positions ``[0, batch.cached)`` of
-    each row taken from its pool blocks ``batch.read`` (a copy: the row never refers to the pool
-    again). Skipped when no row starts from a cached prefix."""
+    """The rows' caches ``[L, P, K, kv_len, H]`` with positions ``[0, batch.cached)`` of each row
+    taken from its pool blocks ``batch.read`` (a copy: the row never refers to the pool again).
+    Skipped when no row starts from a cached prefix."""
     nb = kv_len // pool.block_size
     blocks = batch.read[:, :nb]
     hit_PS = jnp.arange(kv_len)[None, :] < batch.cached[:, None]
 
-    def one(pool_NKbH, rows_PKSH):
-        got = pool_NKbH[blocks]  # [P, nb, K, b, H]
-        p, _, k, size, h = got.shape
-        got_PKSH = got.transpose(0, 2, 1, 3, 4).reshape(p, k, nb * size, h)
-        return jnp.where(hit_PS[:, None, :, None], got_PKSH.astype(rows_PKSH.dtype), rows_PKSH)
+    def one(pool_LNKbH, rows_LPKSH):
+        got = pool_LNKbH[:, blocks]  # [L, P, nb, K, b, H]
+        layers, p, _, k, size, h = got.shape
+        got_LPKSH = got.transpose(0, 1, 3, 2, 4, 5).reshape(layers, p, k, nb * size, h)
+        return jnp.where(hit_PS[None, :, None, :, None], got_LPKSH.astype(rows_LPKSH.dtype), rows_LPKSH)
 
     def read():
         return jax.tree_util.tree_map(one, (pool.k, pool.v), (k_rows, v_rows))
@@ -95,16 +95,16 @@ def read_prefix(pool: PrefixPool, batch: PrefillBatch, k_rows, v_rows, kv_len: i
 
 
 def save_prefix(pool: PrefixPool, batch: PrefillBatch, rows: KVMemory, kv_len: int) -> PrefixPool:
-    """``pool`` with block j of each row's cache (``rows``: ``[P, K, kv_len, H]`` per layer, as the
-    call left it) written to pool block ``batch.save[p, j]`` where that is a block (the rest is
+    """``pool`` with block j of each row's cache (``rows``: ``[L, P, K, kv_len, H]``, as the call
+    left it) written to pool block ``batch.save[p, j]`` where that is a block (the rest is
     dropped). The call reads the pool (``read_prefix``) before it writes it."""
     nb = kv_len // pool.block_size
     to = batch.save[:, :nb].reshape(-1)
 
-    def one(pool_NKbH, rows_PKSH):
-        p, k, _, h = rows_PKSH.shape
-        blocks = rows_PKSH.reshape(p, k, nb, pool.block_size, h).transpose(0, 2, 1, 3, 4)
-        return set_at(pool_NKbH, to, blocks.reshape(p * nb, k, pool.block_size, h))
+    def one(pool_LNKbH, rows_LPKSH):
+        layers, p, k, _, h = rows_LPKSH.shape
+        blocks = rows_LPKSH.reshape(layers, p, k, nb, pool.block_size, h).transpose(0, 1, 3, 2, 4, 5)
+        return set_at(pool_LNKbH, (slice(None), to), blocks.reshape(layers, p * nb, k, pool.block_size, h))
 
     k, v = jax.tree_util.tree_map(one, (pool.k, pool.v), (rows.k, rows.v))
     return PrefixPool(k=k, v=v)
@@ -143,7 +143,11 @@ def fork(sampler, state: DecodeState, logits_BV, row, source, batch: PrefillBatc
     def copy(full):
         return full.at[dst].set(full[source])
 
-    memory = jax.tree_util.tree_map(copy, memory)
+    def copy_kv(full):  # [L, B, K, S, H]: the row of every layer
+        return full.at[:, dst].set(full[:, source])
+
+    memory = memory.replace(k=jax.tree_util.tree_map(copy_kv, memory.k), v=jax.tree_util.tree_map(copy_kv, memory.v),
+                            step=copy(memory.step))
     state = state.replace(memory=memory, seen=copy(state.seen), counts=state.counts.at[dst].set(0),
                           history=copy(state.history))
     keys, sample_keys = _seeded(batch)

@@ -1,5 +1,7 @@
 """The backends the model's tests run on: the pure-JAX one both ways its MoE runs, and the CPU
-backend with and without its C++ kernels (skipped where they cannot be built)."""
+backend with and without its C++ kernels (skipped where they cannot be built). Between them both
+ways the decoder stack runs: "xla" scans the stacked layers (the default), "xla-loop" unrolls
+them; "cpu" scans its own layouts stacked, "cpu-kernels" unrolls them (its default)."""
 
 import pytest
 
@@ -13,9 +15,9 @@ def backend(name: str):
     if name == "xla":
         return XLA()  # the MoE on jax.lax.ragged_dot, as on accelerators
     if name == "xla-loop":
-        return XLA(grouped="loop")
+        return XLA(grouped="loop", layers="unrolled")
     if name == "cpu":
-        return CPU()  # experts split per expert, XLA's ops
+        return CPU(layers="scan")  # experts split per expert (stacked over the layers), XLA's ops
     if name == "cpu-kernels":
         if not build.available():
             pytest.skip(f"the CPU kernels are unavailable: {build.unavailable_reason()}")

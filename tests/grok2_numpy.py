@@ -138,6 +138,11 @@ def unembed(h, params, c):
     return cap(logits, c.final_logit_cap)
 
 
+def _layer(stacked, i):
+    """Layer ``i`` of the model's stacked layer parameters (every leaf ``[L, ...]``)."""
+    return {k: _layer(v, i) for k, v in stacked.items()} if isinstance(stacked, dict) else stacked[i]
+
+
 def forward(params, tokens, c):
     """Logits ``[T, V]`` of one row of tokens at positions 0..T-1, and each layer's intermediates."""
     params = to_float64(params)
@@ -145,7 +150,7 @@ def forward(params, tokens, c):
     h = embed(np.asarray(tokens), params, c)
     layers = []
     for i in range(c.num_layers):
-        h, inter = layer(h, params["transformer"][f"decoder_layer_{i}"], positions, c)
+        h, inter = layer(h, _layer(params["transformer"]["layers"], i), positions, c)
         layers.append(inter)
     return unembed(h, params, c), layers
 

@@ -32,6 +32,7 @@ import struct
 import zipfile
 
 from checkpoints.native import SafetensorsWriter
+from model.transformer import layers_apart
 
 _ATTN = {"sglang": ("self_attn.{}_proj", "q k v o"), "hpcai": ("attn.{}_proj", "q k v o"),
          "keyfan": ("multi_head_attention.{}", "query key value linear")}
@@ -86,8 +87,9 @@ def hf_tensors(params, config, naming: str) -> dict[str, np.ndarray]:
     out["lm_head.weight"] = embed if config.tie_embeddings else head["lm_head"]["embeddings"]
     attn_name, attn_parts = _ATTN[naming]
     expert_name, expert_parts = _EXPERTS[naming]
+    apart = layers_apart(p)["transformer"]  # the model's stacked layers, one a layer as files hold them
     for i in range(config.num_layers):
-        layer = p["transformer"][f"decoder_layer_{i}"]
+        layer = apart[f"decoder_layer_{i}"]
         at = (f"transformer.decoder_layer.{i}." if naming == "keyfan" else f"model.layers.{i}.")
         for part, leaf in zip(attn_parts.split(), ("query", "key", "value", "linear")):
             out[at + attn_name.format(part) + ".weight"] = layer["multi_head_attention"][leaf]["w"].T

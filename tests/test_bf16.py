@@ -249,7 +249,7 @@ def test_the_bf16_runner_decodes_what_the_model_does(bf16_runner):
     bf16 attention kernel) are the model's own greedy tokens on the same weights and backend (one
     row, the whole prompt at once, no runner)."""
     model = bf16_runner.engine.executor
-    assert model.config.fprop_dtype == "bfloat16" and bf16_runner.state.memory.k[0].dtype == jnp.bfloat16
+    assert model.config.fprop_dtype == "bfloat16" and bf16_runner.state.memory.k.dtype == jnp.bfloat16
     assert model.selection.backend.on == frozenset(OPERATIONS) and model.selection.backend.dtype == "bfloat16"
     weight = model.params["transformer"]["decoder_layer_0"]["moe"]["linear"]["w"]
     assert isinstance(weight, ops.Int8PanelWeight if model.spec.quantize else ops.Bf16PanelWeight)

@@ -21,6 +21,7 @@ from backends import XLA
 from model import GROK_1_REFERENCE_TINY, TINY, QuantizedWeight8bit, forward
 from model.quant import dequantize
 from model.sharding import make_mesh
+from model.transformer import layers_apart
 from tests.test_quant import quantize_params
 
 FIXTURE = dataclasses.replace(GROK_1_REFERENCE_TINY, fprop_dtype="float32")
@@ -52,8 +53,8 @@ def imported(reference_dir):
 
 def test_native_round_trip_keeps_dtypes(tiny_params, tmp_path):
     params = quantize_params(tiny_params, groups=2)
-    params["transformer"]["decoder_layer_0"]["rms_norm"]["scale"] = (
-        params["transformer"]["decoder_layer_0"]["rms_norm"]["scale"].astype(jnp.bfloat16))
+    params["transformer"]["layers"]["rms_norm"]["scale"] = (
+        params["transformer"]["layers"]["rms_norm"]["scale"].astype(jnp.bfloat16))
     save(str(tmp_path), params, TINY, max_shard_bytes=20_000)  # forces several files
     assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
     restored = restore(str(tmp_path))
@@ -75,9 +76,9 @@ def test_imported_and_converted_fixture_are_identical(reference_dir, converted, 
 def test_restore_onto_meshes_gives_identical_logits(reference_dir, converted, imported, shape):
     mesh = make_mesh(shape, jax.devices()[: shape[0] * shape[1]])
     restored = restore(str(converted), mesh=mesh, dtype=jnp.float32)
-    q = restored.params["transformer"]["decoder_layer_3"]["moe"]["linear_1"]["w"]
+    q = restored.params["transformer"]["layers"]["moe"]["linear_1"]["w"]  # every layer's, stacked
     assert q.weight.sharding.mesh.shape == mesh.shape
-    assert q.weight.sharding.spec == jax.sharding.PartitionSpec(None, "model", "data")
+    assert q.weight.sharding.spec == jax.sharding.PartitionSpec(None, None, "model", "data")
     tokens = np.load(reference_dir / "tokens_full.npy")
     want = np.asarray(forward(imported.params, tokens, FIXTURE, backend=XLA()).logits)
     with jax.set_mesh(mesh):
@@ -90,11 +91,11 @@ def test_restore_onto_meshes_gives_identical_logits(reference_dir, converted, im
 
 
 def test_each_device_reads_only_its_own_slice():
-    from checkpoints.materialize import declared_shapes
+    from checkpoints.materialize import disk_shapes
 
     reads = []
     sources = {}
-    for name, shape in declared_shapes(FIXTURE).items():
+    for name, shape in disk_shapes(FIXTURE).items():
         sources[name] = LazyTensor(name, shape, np.dtype(np.float32),
                                    lambda index, shape=shape: np.zeros(shape, np.float32)[index])
     name = "transformer/decoder_layer_0/moe/linear/w"
@@ -102,17 +103,17 @@ def test_each_device_reads_only_its_own_slice():
     sources[name] = LazyTensor(name, full.shape, full.dtype, lambda index: reads.append(index) or full[index])
     mesh = make_mesh((2, 4))
     params = materialize(sources, FIXTURE, mesh=mesh)
-    w = params["transformer"]["decoder_layer_0"]["moe"]["linear"]["w"]
-    np.testing.assert_array_equal(np.asarray(w), full)
+    w = params["transformer"]["layers"]["moe"]["linear"]["w"]  # layer 0's file, stacked with the others
+    np.testing.assert_array_equal(np.asarray(w[0]), full)
     assert len(reads) == 8
-    for index in reads:  # P(None, "data", "model"): 64/2 rows x 344/4 columns per device
+    for index in reads:  # P(None, None, "data", "model"): 64/2 rows x 344/4 columns per device
         assert full[index].shape == (8, 32, 86)
 
 
 def test_dequantize_and_cast_at_load(converted, imported):
     restored = restore(str(converted), mesh=make_mesh((2, 4)), dequantize=True)
-    w = restored.params["transformer"]["decoder_layer_5"]["multi_head_attention"]["linear"]["w"]
-    q = imported.params["transformer"]["decoder_layer_5"]["multi_head_attention"]["linear"]["w"]
+    w = restored.params["transformer"]["layers"]["multi_head_attention"]["linear"]["w"]
+    q = imported.params["transformer"]["layers"]["multi_head_attention"]["linear"]["w"]
     assert w.dtype == jnp.float32 and not isinstance(w, QuantizedWeight8bit)
     np.testing.assert_array_equal(np.asarray(w), np.asarray(dequantize(q, jnp.float32)))
     bf16 = restore(str(converted), dtype=jnp.bfloat16)
@@ -184,11 +185,17 @@ def test_missing_and_unexpected_tensors_are_named(tiny_params, tmp_path):
 
 
 def test_shape_and_dtype_mismatches_name_tensor_expected_and_found(tiny_params, tmp_path):
-    bad = jax.tree_util.tree_map(lambda x: x, tiny_params)
+    bad = layers_apart(tiny_params)  # as a file names them: one tensor a layer
     bad["transformer"]["decoder_layer_0"]["router"]["w"] = jnp.zeros((TINY.emb_size, 3))
     save(str(tmp_path / "shape"), bad, TINY)
     with pytest.raises(CheckpointError, match=r"decoder_layer_0/router/w .*shape mismatch, expected \(32, 4\), found \(32, 3\)"):
         restore(str(tmp_path / "shape"))
+    bad = layers_apart(tiny_params)  # one layer's tensor in another dtype than the others': not one stack
+    bad["transformer"]["decoder_layer_1"]["router"]["w"] = bad["transformer"]["decoder_layer_1"]["router"]["w"].astype(
+        jnp.bfloat16)
+    save(str(tmp_path / "layers"), bad, TINY)
+    with pytest.raises(CheckpointError, match=r"decoder_layer_1/router/w.*bfloat16 differs from .*decoder_layer_0/router/w"):
+        restore(str(tmp_path / "layers"))
     bad = jax.tree_util.tree_map(lambda x: x, tiny_params)
     bad["language_model"]["rms_norm"]["scale"] = jnp.ones(TINY.emb_size, jnp.int8)
     save(str(tmp_path / "dtype"), bad, TINY)

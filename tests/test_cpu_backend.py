@@ -194,8 +194,8 @@ def test_int8_weights_no_kernel_takes_are_dequantised_once():
     assert isinstance(layer["moe"]["linear"]["w"], panel.Int8PanelWeight)
     query = layer["multi_head_attention"]["query"]["w"]
     assert isinstance(query, jax.Array) and query.dtype == jnp.float32
-    np.testing.assert_array_equal(query, dequantize(params["transformer"]["decoder_layer_0"]["multi_head_attention"]
-                                                    ["query"]["w"], jnp.float32))
+    np.testing.assert_array_equal(query, dequantize(params["transformer"]["layers"]["multi_head_attention"]
+                                                    ["query"]["w"], jnp.float32)[0])
     floats = CPU(on=frozenset({"moe"})).prepare(params)  # the kernel, on the float32 copy
     assert isinstance(floats["transformer"]["decoder_layer_0"]["moe"]["linear"]["w"], panel.PanelWeight)
     with pytest.raises(ValueError, match="CPU\\(int8=...\\) must name operations of on"):
@@ -214,7 +214,7 @@ def test_float_weights_quantised_at_load_run_as_int8():
     quantized = quantize_at_load(params)
     q = _moe_weight_of(quantized)
     assert q.scales.dtype == jnp.float32 and q.scales.shape == (TINY.num_experts, 1, TINY.ffn_size)
-    assert isinstance(quantized["transformer"]["decoder_layer_0"]["router"]["w"], jax.Array)  # the router stays float
+    assert isinstance(quantized["transformer"]["layers"]["router"]["w"], jax.Array)  # the router stays float
     tokens, lengths = np.array([[5, 9, 13, 2, 7]], np.int32), np.array([5], np.int32)
     got = np.asarray(engine.forward(engine.params, tokens, lengths))
     deq = jax.tree_util.tree_map(lambda w: dequantize(w, jnp.float32), quantized,
@@ -273,7 +273,7 @@ def test_the_canonical_parameters_are_left_as_they_are():
 
 
 def _moe_weight(engine):
-    return engine.params["transformer"]["decoder_layer_0"]["moe"]["linear"]["w"]
+    return _moe_weight_of(engine.params)
 
 
 @needs_kernel
@@ -297,7 +297,8 @@ def test_backend_xla_keeps_the_canonical_parameters():
     engine = ModelRunner(model=TINY, params=params, backend="xla")
     engine = Executor.create(engine)
     assert engine.selection.backend == XLA(grouped="loop")  # on CPU: ragged_dot would run every expert
-    assert engine.backend_report() == "backend: xla (the MoE's grouped matmul: a loop of dots per expert) (backend='xla')"
+    assert engine.backend_report() == ("backend: xla (the MoE's grouped matmul: a loop of dots per expert; layers scan) "
+                                       "(backend='xla')")
     assert not isinstance(_moe_weight(engine), (ExpertWeights, panel.PanelWeight))
 
 
@@ -347,6 +348,9 @@ def test_prepare_without_kernels_splits_experts_and_packs_nothing():
 
 
 def _moe_weight_of(params):
+    """Layer 0's first MoE weight: of the CPU backend's layout (each layer apart), or canonical (stacked)."""
+    if "layers" in params["transformer"]:
+        return jax.tree_util.tree_map(lambda a: a[0], params["transformer"]["layers"]["moe"]["linear"]["w"])
     return params["transformer"]["decoder_layer_0"]["moe"]["linear"]["w"]
 
 
@@ -377,6 +381,34 @@ def test_decode_attention_equals_the_softmax_over_allowed_keys(b, n, kv, h, s_ma
     np.testing.assert_array_equal(panel.decode_attention(q, k, v, mask, 0.125, 30.0), got)
     mask[0] = False  # a row with no key allowed gets zeros
     assert not np.asarray(panel.decode_attention(q, k, v, mask, 0.125, 30.0))[0].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_decode_attention_reads_one_layer_of_the_stack_in_place(kind):
+    """Handed every layer's cache ``[L, B, K, S_max, H]`` and a layer (traced, as the scan's index
+    is), the kernels read exactly that layer: what they give for the layer's own array. A layer
+    past the stack is an error, never a read out of bounds."""
+    from model import quantize_kv
+
+    rng = np.random.default_rng(3)
+    layers, b, n, kv, h, s_max = 3, 2, 8, 2, 64, 24
+    q = jnp.asarray(rng.standard_normal((b, n, h)) * 5, jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((layers, b, kv, s_max, h)), jnp.float32) for _ in range(2))
+    if kind == "int8":
+        k, v, attend_ = quantize_kv(k), quantize_kv(v), panel.decode_attention_int8
+    else:
+        k, v, attend_ = k.astype(kind), v.astype(kind), panel.decode_attention
+    mask = jnp.asarray(rng.random((b, 20)) < 0.8).at[:, 0].set(True)
+    read = jax.jit(lambda k, v, layer: attend_(q, k, v, mask, 0.125, 30.0, layer=layer))
+    for layer in range(layers):
+        alone = jax.tree_util.tree_map(lambda a: a[layer], (k, v))
+        want = attend_(q, *alone, mask, 0.125, 30.0)
+        np.testing.assert_array_equal(read(k, v, jnp.int32(layer)), want)
+        assert np.abs(np.asarray(want) - np.asarray(attend_(q, *jax.tree_util.tree_map(
+            lambda a: a[(layer + 1) % layers], (k, v)), mask, 0.125, 30.0))).max() > 1e-3  # the layers differ
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.block_until_ready(read(k, v, jnp.int32(layers)))
 
 
 @needs_kernel

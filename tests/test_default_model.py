@@ -83,7 +83,7 @@ def test_the_shipped_int8_weights_are_read_as_int8_with_the_dequantised_logits()
     layer = int8.params["transformer"]["decoder_layer_0"]
     assert isinstance(layer["moe"]["linear"]["w"], ops.Int8PanelWeight)
     assert isinstance(layer["multi_head_attention"]["value"]["w"], ops.Int8PanelWeight)
-    assert floats.params["transformer"]["decoder_layer_0"]["moe"]["linear"]["w"].dtype == np.float32
+    assert floats.params["transformer"]["layers"]["moe"]["linear"]["w"].dtype == np.float32  # XLA's: stacked
     prompt = "It is a truth universally acknowledged, that"
     tokens = np.asarray([runners[0].tokenizer.encode(prompt)], np.int32)
     lengths = np.array([tokens.shape[1]], np.int32)

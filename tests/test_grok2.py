@@ -15,7 +15,7 @@ from backends import XLA
 from model import TINY_GROK2, forward, init_params, new_memory
 from model.config import GROK_2
 from model.layers import DecoderLayer, rope_frequencies
-from model.transformer import LanguageModel, attention_mask
+from model.transformer import LanguageModel, attention_mask, layers_apart, sown
 from tests import grok2_numpy
 
 T = 40  # past 8 (temperature) and 16 (YaRN's original context)
@@ -66,10 +66,10 @@ def test_each_layer_and_the_output_equal_the_numpy_statement_in_fp32(params):
     positions = jnp.arange(T)[None]
     mask = attention_mask(jnp.asarray(tokens)[None], jnp.array([T]), TINY_GROK2.pad_token)
     layer = jax.jit(lambda p, h: DecoderLayer(TINY_GROK2, XLA()).apply(
-        {"params": p}, h, positions_BT=positions, mask_BTS=mask, mutable=["intermediates"]))
+        {"params": p}, (h, None), 0, positions, mask, mutable=["intermediates"]))
     h = grok2_numpy.embed(tokens, grok2_numpy.to_float64(jax.device_get(params)), TINY_GROK2)
     for i in range(TINY_GROK2.num_layers):
-        _, state = layer(params["transformer"][f"decoder_layer_{i}"], jnp.asarray(h[None], jnp.float32))
+        _, state = layer(layers_apart(params)["transformer"][f"decoder_layer_{i}"], jnp.asarray(h[None], jnp.float32))
         for name in ("attn_out", "router_probs", "moe_out", "h_out"):
             got = np.asarray(state["intermediates"][name][0][0])
             want = want_layers[i][name]
@@ -150,7 +150,7 @@ def test_a_mesh_equals_one_device(params):
     tokens = tokens_of(4, (4, 24))
     want = np.asarray(forward(params, tokens, TINY_GROK2, backend=XLA()).logits)
     sharded = jax.device_put(params, param_shardings(params, mesh))
-    assert sharded["transformer"]["decoder_layer_0"]["mlp"]["linear"]["w"].sharding.spec[1] == "model"  # split like the experts
+    assert sharded["transformer"]["layers"]["mlp"]["linear"]["w"].sharding.spec[2] == "model"  # split like the experts
     memory = jax.device_put(new_memory(TINY_GROK2, 4), NamedSharding(mesh, P("data")))
     with jax.set_mesh(mesh):
         step = jax.jit(lambda p, t, m: forward(p, t, TINY_GROK2, memory=m, backend=XLA()))
@@ -161,10 +161,10 @@ def test_a_mesh_equals_one_device(params):
 def test_the_model_declares_grok2s_parameters():
     shapes = jax.eval_shape(lambda: init_params(TINY_GROK2, jax.random.PRNGKey(0)))
     c = TINY_GROK2
-    layer = shapes["transformer"]["decoder_layer_0"]
-    assert layer["mlp"]["linear"]["w"].shape == (c.emb_size, c.shared_ffn_size)
-    assert layer["mlp"]["linear_1"]["w"].shape == (c.shared_ffn_size, c.emb_size)
-    assert layer["moe"]["linear"]["w"].shape == (c.num_experts, c.emb_size, 24)
+    layers = shapes["transformer"]["layers"]  # every layer's, stacked
+    assert layers["mlp"]["linear"]["w"].shape == (c.num_layers, c.emb_size, c.shared_ffn_size)
+    assert layers["mlp"]["linear_1"]["w"].shape == (c.num_layers, c.shared_ffn_size, c.emb_size)
+    assert layers["moe"]["linear"]["w"].shape == (c.num_layers, c.num_experts, c.emb_size, 24)
     assert shapes["language_model"]["lm_head"]["embeddings"].shape == (c.vocab_size, c.emb_size)
     assert "lm_head" not in jax.eval_shape(
         lambda: init_params(dataclasses.replace(c, tie_embeddings=True), jax.random.PRNGKey(0)))["language_model"]
@@ -176,7 +176,7 @@ def test_whole_model_intermediates_agree_through_the_language_model(params):
     _, want_layers = grok2_numpy.forward(jax.device_get(params), tokens, TINY_GROK2)
     _, state = LanguageModel(TINY_GROK2, XLA()).apply({"params": params}, jnp.asarray(tokens)[None],
                                                        mutable=["intermediates"])
-    got = np.asarray(state["intermediates"]["transformer"]["decoder_layer_1"]["h_out"][0][0])
+    got = np.asarray(sown(state["intermediates"], "h_out")[1][0])
     want = want_layers[1]["h_out"]
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
 

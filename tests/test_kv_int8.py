@@ -51,11 +51,11 @@ def test_quantize_kv_rounds_each_vector_within_half_its_scale():
     assert np.abs(values).max() == 127 and scales[0, 0, 0, 0] == 0 and not values[0, 0, 0].any()
     err = np.abs(np.asarray(q.astype(jnp.float32)) - np.asarray(x))
     assert np.all(err <= 0.5 * scales * (1 + 1e-6) + 1e-30)
-    # the memory holds one record a layer, of the same leading axes as a float cache
+    # the memory holds one record for every layer, of the same leading axes as a float cache
     memory = new_memory(TINY, 2, dtype="int8")
-    assert isinstance(memory.k[0], QuantizedKV) and memory.k[0].shape == (2, TINY.num_kv_heads, TINY.sequence_len,
-                                                                         TINY.key_size)
-    assert memory.k[0].scales.shape == (2, TINY.num_kv_heads, TINY.sequence_len, 1) and memory.sequence_len == 64
+    shape = (TINY.num_layers, 2, TINY.num_kv_heads, TINY.sequence_len)
+    assert isinstance(memory.k, QuantizedKV) and memory.k.shape == (*shape, TINY.key_size)
+    assert memory.k.scales.shape == (*shape, 1) and memory.sequence_len == 64
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         new_memory(TINY, 2, dtype="int4")
     with pytest.raises(ValueError, match=r"ModelRunner.kv_dtype must be None or one of .*'float8'"):
@@ -70,7 +70,7 @@ def test_a_prompt_prefilled_whole_or_token_by_token_reads_the_same_int8_cache(ti
     whole = forward(tiny_params, tokens, TINY, memory=new_memory(TINY, 2, dtype="int8"), backend=XLA())
     stepped, _ = _decode(tiny_params, tokens, config=TINY, prompt=1, kv_dtype="int8")
     np.testing.assert_allclose(np.asarray(whole.logits), np.asarray(stepped)[:, :24], atol=2e-3, rtol=1e-3)
-    assert isinstance(whole.memory.k[0], QuantizedKV) and np.asarray(whole.memory.step).tolist() == [24, 24]
+    assert isinstance(whole.memory.k, QuantizedKV) and np.asarray(whole.memory.step).tolist() == [24, 24]
 
 
 # Bounds measured on CPU (JAX 0.10.2, AVX2 EPYC), with a margin: max |logit difference| over the
@@ -142,7 +142,7 @@ def test_the_int8_runner_decodes_what_the_model_does(int8_runner, params):  # no
     """Greedy tokens of the runner (prefill calls, decode steps on the int8 attention kernel) are
     the model's own greedy tokens over an int8 cache (XLA, one row, no runner)."""
     assert int8_runner.engine.executor.selection.backend.on >= {"attention"}
-    assert isinstance(int8_runner.state.memory.k[0], QuantizedKV)
+    assert isinstance(int8_runner.state.memory.k, QuantizedKV)
     for i, length in enumerate((5, 19, 40)):
         prompt = prompt_ids(700 + i, length)
         got = int8_runner.complete(Request(prompt, temperature=0.0, max_len=10)).token_ids

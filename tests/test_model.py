@@ -81,8 +81,8 @@ def test_rows_are_independent(tiny_params):
     for i in (0, 2):
         np.testing.assert_allclose(np.asarray(out_b.logits[i]), np.asarray(out.logits[i]), atol=1e-6)
         for layer in range(TINY.num_layers):
-            np.testing.assert_array_equal(np.asarray(out_b.memory.k[layer][i]),
-                                          np.asarray(out.memory.k[layer][i]))
+            np.testing.assert_array_equal(np.asarray(out_b.memory.k[layer, i]),
+                                          np.asarray(out.memory.k[layer, i]))
     np.testing.assert_array_equal(np.asarray(out_b.memory.step), [10, 3, 8])
 
 
@@ -129,12 +129,11 @@ def test_gqa_equals_multi_head_attention_with_repeated_kv_heads(tiny_params):
     g = TINY.q_per_kv
     mha = dataclasses.replace(TINY, num_kv_heads=TINY.num_q_heads)
     params = jax.tree_util.tree_map(lambda x: x, tiny_params)
-    for layer in range(TINY.num_layers):
-        attn = params["transformer"][f"decoder_layer_{layer}"]["multi_head_attention"]
-        for name in ("key", "value"):
-            w = attn[name]["w"].reshape(TINY.emb_size, TINY.num_kv_heads, TINY.key_size)
-            # query head j uses KV head j // g: repeat each KV head g times, contiguously
-            attn[name] = {"w": jnp.repeat(w, g, axis=1).reshape(TINY.emb_size, -1)}
+    attn = params["transformer"]["layers"]["multi_head_attention"]  # every layer's, stacked
+    for name in ("key", "value"):
+        w = attn[name]["w"].reshape(TINY.num_layers, TINY.emb_size, TINY.num_kv_heads, TINY.key_size)
+        # query head j uses KV head j // g: repeat each KV head g times, contiguously
+        attn[name] = {"w": jnp.repeat(w, g, axis=2).reshape(TINY.num_layers, TINY.emb_size, -1)}
     tokens = random_tokens(7, (2, 11))
     np.testing.assert_allclose(np.asarray(forward(params, tokens, mha, backend=XLA()).logits),
                                np.asarray(forward(tiny_params, tokens, TINY, backend=XLA()).logits), atol=1e-5)
@@ -234,7 +233,7 @@ def test_tokens_past_their_rows_length_reach_no_expert(name):
 
 def test_weights_held_in_a_layout_of_the_wrong_shape_are_rejected(tiny_params):
     backend, split = arranged(tiny_params, "cpu")
-    layer = split["transformer"]["decoder_layer_0"]["moe"]["linear"]
+    layer = split["transformer"]["layers"]["moe"]["linear"]  # the scan's: every layer's experts, stacked
     layer["w"] = ExpertWeights(layer["w"].experts[:-1])  # one expert short
     with pytest.raises(ValueError, match="held as ExpertWeights of shape"):
         forward(split, random_tokens(1, (1, 3)), TINY, backend=backend)
@@ -270,7 +269,7 @@ def test_bf16_activations_track_fp32(tiny_params):
     assert np.isfinite(b).all()
     assert np.abs(a - b).mean() < 0.05 * np.abs(a).mean()
     cached, memory = decode_all(tiny_params, tokens, 5, config=bf16)
-    assert memory.k[0].dtype == jnp.bfloat16 and np.isfinite(cached).all()
+    assert memory.k.dtype == jnp.bfloat16 and np.isfinite(cached).all()
 
 
 def test_memory_overflow_is_an_error_before_the_call(tiny_params):
@@ -292,8 +291,8 @@ def test_padding_past_the_end_is_dropped_not_clamped(tiny_params):
     chunk = np.concatenate([tokens[:, 6:8], random_tokens(19, (1, 4))], axis=1)  # 2 real + 4 pad
     second = step(tiny_params, chunk, first.memory, jnp.array([2]))
     for layer in range(TINY.num_layers):
-        np.testing.assert_array_equal(np.asarray(second.memory.k[layer][0, :, :6]),
-                                      np.asarray(first.memory.k[layer][0, :, :6]))
+        np.testing.assert_array_equal(np.asarray(second.memory.k[layer, 0, :, :6]),
+                                      np.asarray(first.memory.k[layer, 0, :, :6]))
     full = np.asarray(forward(tiny_params, tokens, TINY, backend=XLA()).logits)
     np.testing.assert_allclose(np.asarray(second.logits)[:, :2], full[:, 6:8], atol=ATOL)
 
@@ -323,12 +322,13 @@ def test_forward_under_a_mesh_matches_single_device(tiny_params):
 
 def test_init_params_shapes_follow_grok1_names():
     params = jax.eval_shape(lambda: init_params(TINY, jax.random.PRNGKey(0)))
-    layer = params["transformer"]["decoder_layer_1"]
-    d, f, e = TINY.emb_size, TINY.ffn_size, TINY.num_experts
-    assert layer["moe"]["linear"]["w"].shape == (e, d, f)
-    assert layer["moe"]["linear_1"]["w"].shape == (e, f, d)
-    assert layer["multi_head_attention"]["query"]["w"].shape == (d, TINY.num_q_heads * TINY.key_size)
-    assert layer["router"]["w"].shape == (d, e)
+    layer = params["transformer"]["layers"]  # Grok-1's decoder_layer_<i>, stacked over the layers
+    assert set(params["transformer"]) == {"layers"}
+    d, f, e, n = TINY.emb_size, TINY.ffn_size, TINY.num_experts, TINY.num_layers
+    assert layer["moe"]["linear"]["w"].shape == (n, e, d, f)
+    assert layer["moe"]["linear_1"]["w"].shape == (n, e, f, d)
+    assert layer["multi_head_attention"]["query"]["w"].shape == (n, d, TINY.num_q_heads * TINY.key_size)
+    assert layer["router"]["w"].shape == (n, d, e)
     assert params["language_model"]["in_out_embed"]["embeddings"].shape == (TINY.vocab_size, d)
     assert set(layer) == {"moe", "multi_head_attention", "router", "rms_norm", "rms_norm_1",
                           "rms_norm_2", "rms_norm_3"}

@@ -15,7 +15,7 @@ from checkpoints.safe_pickle import CheckpointError, read_pickled_tensor
 from backends import XLA
 from model import GROK_1_REFERENCE_TINY, QuantizedWeight8bit, forward, new_memory
 from model.layers import DecoderLayer
-from model.transformer import LanguageModelHead, attention_mask
+from model.transformer import LanguageModelHead, attention_mask, layers_apart
 from tests.backends import NAMES, arranged
 
 FP32 = dataclasses.replace(GROK_1_REFERENCE_TINY, fprop_dtype="float32")
@@ -33,8 +33,10 @@ def test_manifest_matches_positional_layout(reference_dir):
 
 def test_loaded_tensors_have_the_recorded_shapes_and_dtypes(reference_dir, ref_params):
     manifest = json.loads((reference_dir / "manifest.json").read_text())
+    apart = layers_apart(ref_params)  # the reference's tree names each layer apart; ours stacks them
+    assert jax.tree_util.tree_leaves(ref_params["transformer"]["layers"])[0].shape[0] == FP32.num_layers
     for entry in manifest:
-        node = ref_params
+        node = apart
         for key in entry["path"].split("/")[1:]:
             node = node[key]
         if entry["kind"] == "QuantizedWeight8bit":
@@ -53,10 +55,11 @@ def test_each_layer_matches_fp32_intermediates(reference_dir, ref_params):
     positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
     mask = attention_mask(jnp.asarray(tokens), jnp.full((b,), t), FP32.pad_token)
     h = saved["embed_in"]
-    layer = jax.jit(lambda p, h: DecoderLayer(FP32, XLA()).apply({"params": p}, h, positions_BT=positions, mask_BTS=mask,
+    layer = jax.jit(lambda p, h: DecoderLayer(FP32, XLA()).apply({"params": p}, (h, None), 0, positions, mask,
                                                           mutable=["intermediates"]))  # one compile, 12 calls
+    apart = layers_apart(ref_params)["transformer"]
     for i in range(FP32.num_layers):
-        _, state = layer(ref_params["transformer"][f"decoder_layer_{i}"], jnp.asarray(h))
+        _, state = layer(apart[f"decoder_layer_{i}"], jnp.asarray(h))
         for name in ("attn_out", "router_probs", "h_out"):
             got = np.asarray(state["intermediates"][name][0])
             want = saved[f"L{i}_{name}"]
@@ -109,9 +112,10 @@ def test_each_layer_tracks_the_bf16_intermediates_within_measured_bounds(referen
     bounds = {"attn_out": 0.04, "router_probs": 0.01, "moe_out": 0.025, "h_out": 0.015}
     flips, h = 0, saved["embed_in"]
     layer = jax.jit(lambda p, h: DecoderLayer(bf16, backend).apply(
-        {"params": p}, h, positions_BT=positions, mask_BTS=mask, mutable=["intermediates"]))  # one compile, 12 calls
+        {"params": p}, (h, None), 0, positions, mask, mutable=["intermediates"]))  # one compile, 12 calls
+    apart = layers_apart(ref_params)["transformer"]
     for i in range(bf16.num_layers):
-        _, state = layer(backend.prepare(ref_params["transformer"][f"decoder_layer_{i}"]), jnp.asarray(h, jnp.bfloat16))
+        _, state = layer(backend.prepare(apart[f"decoder_layer_{i}"]), jnp.asarray(h, jnp.bfloat16))
         got = {name: np.asarray(v[0], np.float32)[0] for name, v in state["intermediates"].items()}
         top = lambda probs: np.sort(np.argsort(-probs, axis=-1)[:, :2], axis=-1)  # noqa: E731
         alike = (top(got["router_probs"]) == top(saved[f"L{i}_router_probs"][0])).all(-1)

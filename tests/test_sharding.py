@@ -70,18 +70,20 @@ def test_golden_grok1_layout_on_a_1x8_mesh():
         "rms_norm/scale": P(None), "rms_norm_1/scale": P(None),
         "rms_norm_2/scale": P(None), "rms_norm_3/scale": P(None),
     }
-    assert len(specs) == 2 + GROK_1.num_layers * (12 + 7)  # 7 of 12 leaves are int8: weight + scales
+    assert len(specs) == 2 + 12 + 7  # 7 of 12 layer leaves are int8: weight + scales; the layers stacked
     for name, spec in specs.items():
         base = name.removesuffix("/weight").removesuffix("/scales")
         key = next(k for k in grok1 if base == k or base.endswith("/" + k))
         # Grok-1 gives a weight's scales the weight's own spec; the scale groups (1 or 8) divide
-        # the model axis here, so ours are the same on this mesh.
-        assert tuple(spec) == tuple(grok1[key]), name
+        # the model axis here, so ours are the same on this mesh. Each layer's is Grok-1's; the
+        # stack's leading axis (the scan's) is never sharded.
+        layer = name.startswith("transformer/layers/")
+        assert tuple(spec) == ((None,) if layer else ()) + tuple(grok1[key]), name
     # Deliberate difference: Grok-1 shards the KV memory's *sequence* over "model" and reshards
     # it to heads in every layer of every step; ours keeps KV heads over "model" throughout, and
     # holds them [B, K, S, H] (heads before positions) so attention reads them without a transpose.
     kv = memory_specs(jax.eval_shape(lambda: new_memory(SHARD, 8)))
-    assert kv.k[0] == P("data", "model", None, None) and kv.step == P("data")
+    assert kv.k == P(None, "data", "model", None, None) and kv.step == P("data")  # [L, B, K, S, H]
 
 
 def test_each_weight_is_declared_once_and_everything_derives_from_it():
@@ -92,18 +94,18 @@ def test_each_weight_is_declared_once_and_everything_derives_from_it():
     from model.transformer import declared_params
 
     declared = declared_params(GROK_1)
-    assert len(declared) == 2 + 64 * 12  # embedding and final norm; per layer 4 norms, 4 attention, router, 3 experts
+    assert len(declared) == 2 + 12  # embedding and final norm; the layers' 4 norms, 4 attention, router, 3 experts
     shapes = {path_str(p): tuple(leaf.shape)
               for p, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(GROK_1))[0]}
     assert shapes == {path: shape for path, (shape, _) in declared.items()} == declared_shapes(GROK_1)
     for path, (shape, axes) in declared.items():
         assert logical_axes(path) == axes and len(axes) == len(shape), path
-    assert declared["transformer/decoder_layer_63/moe/linear_1/w"] == ((8, 32768, 6144), ("experts", "mlp", "embed"))
+    assert declared["transformer/layers/moe/linear_1/w"] == ((64, 8, 32768, 6144), ("layers", "experts", "mlp", "embed"))
 
 
 def test_a_leaf_without_a_rule_is_an_error():
-    with pytest.raises(ValueError, match="'transformer/decoder_layer_0/moe/bias' is declared by no layer"):
-        logical_axes("transformer/decoder_layer_0/moe/bias")
+    with pytest.raises(ValueError, match="'transformer/layers/moe/bias' is declared by no layer"):
+        logical_axes("transformer/layers/moe/bias")
     with pytest.raises(ValueError, match="no entry for logical axes"):
         param_specs({"language_model": {"rms_norm": {"scale": jnp.zeros(4)}}}, rules={})
 
@@ -114,7 +116,7 @@ def test_an_undivided_dimension_names_both():
                                          r"by mesh axis \('data', 'model'\) of size 3"):
         param_specs(params, mesh=jax.sharding.AbstractMesh((1, 3), ("data", "model")))
     memory = jax.eval_shape(lambda: new_memory(TINY, 8))  # 2 KV heads cannot split 8 ways
-    with pytest.raises(ValueError, match=r"KVMemory.k: dimension 1 of size 2 is not divisible by mesh axis "
+    with pytest.raises(ValueError, match=r"KVMemory.k: dimension 2 of size 2 is not divisible by mesh axis "
                                          r"'model' of size 8"):
         memory_specs(memory, mesh=jax.sharding.AbstractMesh((1, 8), ("data", "model")))
 
@@ -171,17 +173,19 @@ def test_meshes_match_single_device(shard_params, plain_params, single_device, s
     # outputs carry the declared shardings: on a mesh the canonical stacked weights with their
     # specs; on one CPU device the CPU backend's layout (split per expert, or in panels where the
     # runner measured the kernel faster)
-    w = engine.params["transformer"]["decoder_layer_1"]["moe"]["linear"]["w"]
     backend = engine.selection.backend
     if backend.name == "xla":  # always on a mesh; on one device where asked (GROK_RUNNER_BACKEND=xla)
-        assert w.sharding.spec == P(None, "data", "model") and w.sharding.mesh.shape == mesh.shape
-    elif "moe" in backend.on:
-        assert isinstance(w, panel.PanelWeight) and w.shape[0] == SHARD.num_experts
-    else:
-        assert isinstance(w, ExpertWeights) and len(w.experts) == SHARD.num_experts
+        w = engine.params["transformer"]["layers"]["moe"]["linear"]["w"]  # every layer's, stacked and scanned
+        assert w.sharding.spec == P(None, None, "data", "model") and w.sharding.mesh.shape == mesh.shape
+    else:  # the CPU backend runs the layers unrolled, each over its own buffers
+        w = engine.params["transformer"]["decoder_layer_1"]["moe"]["linear"]["w"]
+        if "moe" in backend.on:
+            assert isinstance(w, panel.PanelWeight) and w.shape[0] == SHARD.num_experts
+        else:
+            assert isinstance(w, ExpertWeights) and len(w.experts) == SHARD.num_experts
     assert backend.name == "xla" or mesh.size == 1
     state = runner.state
-    assert state.memory.k[0].sharding.spec == P("data", "model", None, None)
+    assert state.memory.k.sharding.spec == P(None, "data", "model", None, None)
     assert state.memory.step.sharding.spec == P("data") and state.tokens.sharding.spec == P("data")
 
 
@@ -191,8 +195,8 @@ def test_expert_parallelism_matches(plain_params, single_device_logits):
     tokens, lengths, want_logits = single_device_logits
     plain = ModelRunner(model=SHARD, params=plain_params, rules=EXPERT_PARALLEL_RULES)
     plain = Executor.create(plain, make_mesh((2, 4)), batch_size=8)
-    w = plain.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
-    assert w.sharding.spec == P("model", None, "data")
+    w = plain.params["transformer"]["layers"]["moe"]["linear_1"]["w"]
+    assert w.sharding.spec == P(None, "model", None, "data")
     assert_close_fp32(np.asarray(plain.forward(plain.params, tokens, lengths)), want_logits)
 
 
@@ -204,8 +208,8 @@ def test_expert_parallel_serving_matches(shard_params, single_device):
                              batch_size=8, pad_sizes=(8, 16), mesh=mesh, max_num_batched_tokens=BUDGET)
     runner = runner.initialize()
     engine = runner.engine.executor
-    w = engine.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
-    assert w.sharding.spec == P("model", None, "data")
+    w = engine.params["transformer"]["layers"]["moe"]["linear_1"]["w"]
+    assert w.sharding.spec == P(None, "model", None, "data")
     assert generate(runner) == want_tokens
 
 
@@ -224,9 +228,9 @@ def test_scale_groups_work_on_any_model_axis(plain_params, groups, shape):
     mesh = make_mesh(shape, jax.devices()[: shape[0] * shape[1]])
     engine = ModelRunner(model=SHARD, params=qparams, backend="xla")  # stacked, as stored
     engine = Executor.create(engine, mesh, batch_size=8)
-    down = engine.params["transformer"]["decoder_layer_0"]["moe"]["linear_1"]["w"]
+    down = engine.params["transformer"]["layers"]["moe"]["linear_1"]["w"]
     expected_g = "model" if groups % shape[1] == 0 else None  # G sharded where the mesh divides it
-    assert down.scales.sharding.spec[1] == expected_g
+    assert down.scales.sharding.spec[2] == expected_g
     got = np.asarray(engine.forward(engine.params, tokens, np.array([tokens.shape[1]])))
     assert_close_fp32(got, want)
 
@@ -243,7 +247,8 @@ def test_kv_memory_is_never_resharded_inside_a_step(shard_params):
     for line in collectives:
         result = re.search(r"= \(?\w+\[([0-9,]*)\]", line)
         dims = [int(d) for d in result.group(1).split(",") if d] if result else []
-        assert not (len(dims) == 4 and s in dims), f"the KV memory moves between devices: {line.strip()[:160]}"
+        # a layer's [B, K, S, H], or the stack's [L, B, K, S, H]
+        assert not (len(dims) in (4, 5) and s in dims), f"the KV memory moves between devices: {line.strip()[:160]}"
 
 
 # ---- multi-process ----------------------------------------------------------------------------
@@ -300,7 +305,7 @@ def test_plan_matches_real_array_sizes(shard_params):
     assert plan.weight_bytes_by_dtype == real
     state = engine.new_state()
     kv_real = sum(next(s for s in x.addressable_shards if s.device == device).data.nbytes
-                  for x in state.memory.k + state.memory.v)
+                  for x in (state.memory.k, state.memory.v))
     assert plan.kv_bytes == kv_real
     assert plan.kv_bytes_per_slot == kv_real // (8 // 2)
 

@@ -63,6 +63,7 @@ def expert_usage(checkpoint_dir: str, max_windows: int | None = None) -> np.ndar
     """``[num_layers, num_experts]``: the fraction of held-out tokens whose top-k includes expert e
     (each row sums to num_selected_experts; uniform routing gives k / E = 0.25 per expert)."""
     from model import LanguageModel
+    from model.transformer import sown
 
     restored, _ = _load(checkpoint_dir)
     c = restored.config
@@ -73,7 +74,7 @@ def expert_usage(checkpoint_dir: str, max_windows: int | None = None) -> np.ndar
         _, state = lm.apply({"params": params}, tokens, mutable=["intermediates"])
         out = []
         for i in range(c.num_layers):
-            probs = state["intermediates"]["transformer"][f"decoder_layer_{i}"]["router_probs"][0]
+            probs = sown(state["intermediates"], "router_probs")[i]
             _, idx = jax.lax.top_k(probs[:, 1:], c.num_selected_experts)  # skip the bos position
             out.append(jnp.sum(jax.nn.one_hot(idx, c.num_experts), axis=(0, 1, 2)))
         return jnp.stack(out)

@@ -29,6 +29,7 @@ import optax
 import model
 from backends import XLA
 from model import LanguageModel, ModelConfig
+from model.transformer import sown
 from train import data
 
 SEED = 0
@@ -61,7 +62,7 @@ def load_balancing_loss(intermediates, config: ModelConfig):
     e, k = config.num_experts, config.num_selected_experts
     losses = []
     for i in range(config.num_layers):
-        probs = intermediates["transformer"][f"decoder_layer_{i}"]["router_probs"][0]  # [B,T,E]
+        probs = sown(intermediates, "router_probs")[i]  # [B,T,E]
         probs = probs.reshape(-1, e)
         _, idx = jax.lax.top_k(probs, k)
         f = jnp.mean(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=(0, 1))  # sums to 1

@@ -257,20 +257,33 @@ struct Attention {
   }
 };
 
-// The shapes both handlers take; an error says what they must be.
+// The shapes every handler takes; an error says what they must be. The caches are every layer's
+// [L, B, K, S_max, H] (model.memory.KVMemory), of which layer `layer` is read in place: a slice
+// of the stack handed to a custom call would be copied out first.
 template <typename KV>
 ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& q, const KV& k, const KV& v, const ffi::Buffer<ffi::PRED>& mask,
-                       ffi::ResultBuffer<ffi::F32>& out) {
+                       const ffi::Buffer<ffi::S32>& layer, ffi::ResultBuffer<ffi::F32>& out) {
   auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions();
   auto same = [](auto a, auto b) { return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin()); };
-  if (qd.size() != 3 || kd.size() != 4 || md.size() != 2 || !same(v.dimensions(), kd) || !same(out->dimensions(), qd))
-    return ffi::Error::InvalidArgument("decode_attention: q [B, N, H], k and v [B, K, S_max, H], mask [B, S]");
-  int64_t batch = qd[0], heads = qd[1], h = qd[2], kv_heads = kd[1];
-  if (kd[0] != batch || kd[3] != h || md[0] != batch || md[1] > kd[2] || kv_heads == 0 ||
+  if (qd.size() != 3 || kd.size() != 5 || md.size() != 2 || layer.dimensions().size() != 0 ||
+      !same(v.dimensions(), kd) || !same(out->dimensions(), qd))
+    return ffi::Error::InvalidArgument(
+        "decode_attention: q [B, N, H], k and v [L, B, K, S_max, H], mask [B, S], layer a scalar");
+  int64_t batch = qd[0], heads = qd[1], h = qd[2], kv_heads = kd[2];
+  if (kd[1] != batch || kd[4] != h || md[0] != batch || md[1] > kd[3] || kv_heads == 0 ||
       heads % kv_heads != 0 || heads / kv_heads > kMaxHeadsPerKv || h > kMaxHeadDim)
     return ffi::Error::InvalidArgument(
         "decode_attention: shapes do not match, or G > 16 query heads a KV head, or H > 128");
+  int32_t l = *layer.typed_data();
+  if (l < 0 || l >= kd[0]) return ffi::Error::InvalidArgument("decode_attention: layer out of range");
   return ffi::Error::Success();
+}
+
+// Elements of one layer of a [L, B, K, S_max, H] (or [..., 1]) stack: where layer `layer` starts.
+template <typename KV>
+int64_t LayerOffset(const KV& x, const ffi::Buffer<ffi::S32>& layer) {
+  auto d = x.dimensions();
+  return int64_t(*layer.typed_data()) * d[1] * d[2] * d[3] * d[4];
 }
 
 // One factor a row: [B] float32.
@@ -288,45 +301,49 @@ void Run(ffi::ThreadPool& pool, const Attention<T>& a, int64_t batch) {
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::F32> temperature,
-                           float scale, float cap, ffi::ResultBuffer<ffi::F32> out) {
-  if (auto error = CheckShapes(q, k, v, mask, out); error.failure()) return error;
+                           ffi::Buffer<ffi::S32> layer, float scale, float cap, ffi::ResultBuffer<ffi::F32> out) {
+  if (auto error = CheckShapes(q, k, v, mask, layer, out); error.failure()) return error;
   if (auto error = CheckTemperature(q, temperature); error.failure()) return error;
   auto qd = q.dimensions(), kd = k.dimensions();
-  Attention<float> a{q.typed_data(), k.typed_data(), v.typed_data(), nullptr, nullptr, mask.typed_data(),
-                     temperature.typed_data(), out->typed_data(), kd[1], qd[1] / kd[1], kd[2], mask.dimensions()[1], qd[2], scale, cap};
+  int64_t at = LayerOffset(k, layer);
+  Attention<float> a{q.typed_data(), k.typed_data() + at, v.typed_data() + at, nullptr, nullptr, mask.typed_data(),
+                     temperature.typed_data(), out->typed_data(), kd[2], qd[1] / kd[2], kd[3], mask.dimensions()[1], qd[2], scale, cap};
   Run(pool, a, qd[0]);
   return ffi::Error::Success();
 }
 
-// A bf16 cache: k, v [B, K, S_max, H] bf16, widened in registers (half of float32's bytes read).
+// A bf16 cache: k, v [L, B, K, S_max, H] bf16, widened in registers (half of float32's bytes read).
 ffi::Error DecodeAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::BF16> k,
                                ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::F32> temperature,
-                               float scale, float cap, ffi::ResultBuffer<ffi::F32> out) {
-  if (auto error = CheckShapes(q, k, v, mask, out); error.failure()) return error;
+                               ffi::Buffer<ffi::S32> layer, float scale, float cap, ffi::ResultBuffer<ffi::F32> out) {
+  if (auto error = CheckShapes(q, k, v, mask, layer, out); error.failure()) return error;
   if (auto error = CheckTemperature(q, temperature); error.failure()) return error;
   auto qd = q.dimensions(), kd = k.dimensions();
-  Attention<uint16_t> a{q.typed_data(), k.typed_data(), v.typed_data(), nullptr, nullptr, mask.typed_data(),
-                        temperature.typed_data(), out->typed_data(), kd[1], qd[1] / kd[1], kd[2], mask.dimensions()[1], qd[2], scale, cap};
+  int64_t at = LayerOffset(k, layer);
+  Attention<uint16_t> a{q.typed_data(), reinterpret_cast<const uint16_t*>(k.typed_data()) + at,
+                        reinterpret_cast<const uint16_t*>(v.typed_data()) + at, nullptr, nullptr, mask.typed_data(),
+                        temperature.typed_data(), out->typed_data(), kd[2], qd[1] / kd[2], kd[3], mask.dimensions()[1], qd[2], scale, cap};
   Run(pool, a, qd[0]);
   return ffi::Error::Success();
 }
 
-// The int8 cache: values k, v [B, K, S_max, H] int8 and their scales [B, K, S_max, 1] float32.
+// The int8 cache: values k, v [L, B, K, S_max, H] int8 and their scales [L, B, K, S_max, 1] float32.
 ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
                                ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> v_scale,
-                               ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::F32> temperature, float scale,
-                               float cap, ffi::ResultBuffer<ffi::F32> out) {
-  if (auto error = CheckShapes(q, k, v, mask, out); error.failure()) return error;
+                               ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::F32> temperature,
+                               ffi::Buffer<ffi::S32> layer, float scale, float cap, ffi::ResultBuffer<ffi::F32> out) {
+  if (auto error = CheckShapes(q, k, v, mask, layer, out); error.failure()) return error;
   if (auto error = CheckTemperature(q, temperature); error.failure()) return error;
   auto qd = q.dimensions(), kd = k.dimensions();
   for (auto* s : {&k_scale, &v_scale}) {
     auto sd = s->dimensions();
-    if (sd.size() != 4 || sd[0] != kd[0] || sd[1] != kd[1] || sd[2] != kd[2] || sd[3] != 1)
-      return ffi::Error::InvalidArgument("decode_attention_int8: scales must be [B, K, S_max, 1] like k and v");
+    if (sd.size() != 5 || sd[0] != kd[0] || sd[1] != kd[1] || sd[2] != kd[2] || sd[3] != kd[3] || sd[4] != 1)
+      return ffi::Error::InvalidArgument("decode_attention_int8: scales must be [L, B, K, S_max, 1] like k and v");
   }
-  Attention<int8_t> a{q.typed_data(), k.typed_data(), v.typed_data(), k_scale.typed_data(), v_scale.typed_data(),
-                      mask.typed_data(), temperature.typed_data(), out->typed_data(), kd[1], qd[1] / kd[1], kd[2], mask.dimensions()[1], qd[2],
-                      scale, cap};
+  int64_t at = LayerOffset(k, layer), scales_at = LayerOffset(k_scale, layer);
+  Attention<int8_t> a{q.typed_data(), k.typed_data() + at, v.typed_data() + at, k_scale.typed_data() + scales_at,
+                      v_scale.typed_data() + scales_at, mask.typed_data(), temperature.typed_data(), out->typed_data(),
+                      kd[2], qd[1] / kd[2], kd[3], mask.dimensions()[1], qd[2], scale, cap};
   Run(pool, a, qd[0]);
   return ffi::Error::Success();
 }
@@ -341,6 +358,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(decode_attention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
@@ -355,6 +373,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(decode_attention_int8, DecodeAttentionInt8,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
@@ -367,6 +386,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(decode_attention_bf16, DecodeAttentionBf16,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());

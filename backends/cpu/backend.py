@@ -32,6 +32,12 @@ class CPU(XLA):
     # The activations' dtype: what ``prepare`` holds float weights in (the weight kernels take
     # float32 and bfloat16; ``runner.selection`` leaves them out for any other).
     dtype: str = "float32"
+    # The layers unrolled, each over its own buffers: a kernel handed a layer of a stacked weight
+    # inside the scan reads it only after XLA:CPU copies it out. Measured on the bench config
+    # (8 layers, batch 8, 2-core Xeon with AVX-512; BENCHMARKS.md, "Scan over layers"): a decode
+    # step 32 ms unrolled against 157-161 ms scanned, a 256-token prefill 172-178 against
+    # 279-284 ms, for about the same compile time (0.85-0.96 s against 0.84 s a decode step).
+    layers: str = "unrolled"
     name = "cpu"
 
     def __post_init__(self):
@@ -51,10 +57,10 @@ class CPU(XLA):
             how = "AVX512-BF16 dot" if build.bf16_dot() else "widened to float32 (no AVX512-BF16)"
             bf16 = f"; bf16 weights: {how}"
         return (f"cpu (on the C++ kernels: {kernels}; experts {experts}"
-                f"{'; int8 weights read as int8: ' + int8 if int8 else ''}{bf16})")
+                f"{'; int8 weights read as int8: ' + int8 if int8 else ''}{bf16}; layers {self.layers})")
 
     def prepare(self, params):
-        return layout.prepare(params, frozenset(self.on), frozenset(self.int8), self.dtype)
+        return layout.prepare(params, frozenset(self.on), frozenset(self.int8), self.dtype, self.layers)
 
     def matmul(self, x, w, dtype):
         if isinstance(w, ops.PanelWeight):
@@ -89,20 +95,22 @@ class CPU(XLA):
                                        w.shape[-1], dtype)
         return super().grouped_matmul(x_RK, w, sizes_E, dtype)
 
-    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None):
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None, layer=None):
         b, t, n, h = q_BTNH.shape
-        if "attention" in self.on and t == 1 and ops.decode_attention_fits(n, k_BKSH.shape[1], h):
-            # a decode step read in place from the caches (XLA copies the attended positions
-            # first, and dequantises an int8 cache into a float copy)
+        kv_heads = k_BKSH.shape[-3]
+        if "attention" in self.on and t == 1 and ops.decode_attention_fits(n, kv_heads, h):
+            # a decode step read in place from the caches, the layer's of the stack too (XLA copies
+            # the attended positions first, and dequantises an int8 cache into a float copy)
             q_BNH = q_BTNH[:, 0].astype(jnp.float32)
             temperature_B = None if temperature_BT is None else temperature_BT[:, 0]  # Grok-2's, a row's
             if k_BKSH.dtype in (jnp.float32, jnp.bfloat16):
-                out_BNH = ops.decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BTS[:, 0], scale, cap, temperature_B)
+                out_BNH = ops.decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BTS[:, 0], scale, cap, temperature_B, layer)
                 return out_BNH[:, None].astype(q_BTNH.dtype)
             if k_BKSH.dtype == jnp.int8:  # an int8 record (model.memory.QuantizedKV)
-                out_BNH = ops.decode_attention_int8(q_BNH, k_BKSH, v_BKSH, mask_BTS[:, 0], scale, cap, temperature_B)
+                out_BNH = ops.decode_attention_int8(q_BNH, k_BKSH, v_BKSH, mask_BTS[:, 0], scale, cap, temperature_B,
+                                                    layer)
                 return out_BNH[:, None].astype(q_BTNH.dtype)
-        return attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT)
+        return super().attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT, layer)
 
     def sampling_cut(self, scaled_BV, top_k_B, nucleus_p_B):
         if "sampling_cut" in self.on:

@@ -32,6 +32,7 @@ import numpy as np
 from backends.cpu.ops import Bf16PanelWeight, Int8PanelWeight, PanelTable, PanelWeight
 from model.quant import QuantizedWeight8bit, dequantize, is_quantized
 from model.sharding import path_str
+from model.transformer import has_stacked_layers, layers_apart, layers_together
 
 MOE_WEIGHT = re.compile(r"(.*/)?moe/(linear|linear_v|linear_1)/w")
 EMBEDDING = "language_model/in_out_embed/embeddings"
@@ -72,14 +73,20 @@ def split(w, transpose: bool) -> ExpertWeights:
     return ExpertWeights(experts, transposed=transpose)
 
 
-def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="float32"):
+def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="float32", layers: str = "unrolled"):
     """``params`` in the CPU layouts for activations of ``dtype`` (float32 or bfloat16): every MoE
     weight in panels with ``"moe"`` in ``panels``, else split per expert; the attention projections
     in panels with ``"projections"``; the embedding with ``"unembed"``. Float weights of these are
     held in ``dtype`` (float32 panels, or bf16 panels of row pairs), as the model multiplies by
     them. An int8 weight stays int8 (``Int8PanelWeight``) where its operation is in ``int8``, and
-    is dequantised to ``dtype`` first everywhere else. Other leaves are unchanged."""
+    is dequantised to ``dtype`` first everywhere else. Other leaves are unchanged. Each layer is
+    laid out apart; with ``layers="scan"`` the layers' layouts are stacked again (a leading axis
+    on every leaf, which the scan slices), with ``"unrolled"`` they stay apart
+    (``model.transformer.layers_apart``)."""
     dtype = jnp.dtype(dtype)
+    stacked = has_stacked_layers(params)
+    if stacked:  # on the host: views of the stacked arrays
+        params = layers_apart(params, take=lambda a, i: np.asarray(a)[i])
 
     def one(path, w):
         if isinstance(w, HELD):
@@ -114,7 +121,10 @@ def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="flo
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, LAYOUTS))
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         laid_out = list(pool.map(lambda leaf: one(*leaf), leaves))
-    return jax.tree_util.tree_unflatten(treedef, laid_out)
+    params = jax.tree_util.tree_unflatten(treedef, laid_out)
+    if layers == "scan" and stacked:
+        params = layers_together(params, stack=lambda parts: np.stack([np.asarray(p) for p in parts]))
+    return jax.tree_util.tree_map(lambda a: jax.device_put(a) if isinstance(a, np.ndarray) else a, params)
 
 
 def weight_dtypes(params, pattern) -> set[str]:

@@ -224,59 +224,76 @@ def _temperature(temperature_B, b: int):
     return temperature_B.astype(jnp.float32)
 
 
-def decode_attention(q_BNH, k_BKSH, v_BKSH, mask_BS, scale: float, cap: float, temperature_B=None):
+def _stack(cache, layer):
+    """A cache as every layer's ``[L, B, K, S_max, H]`` (one layer's ``[B, K, S_max, H]`` as a stack
+    of one, ``layer`` None) and the layer to read as an int32 scalar: the kernels read that layer
+    in place, where XLA:CPU would copy a slice of the stack out for them first."""
+    if layer is None:
+        return jax.tree_util.tree_map(lambda a: a[None], cache), jnp.zeros((), jnp.int32)
+    return cache, jnp.asarray(layer, jnp.int32)
+
+
+def _check_heads(n: int, kv_heads: int, h: int) -> None:
+    if not decode_attention_fits(n, kv_heads, h):
+        raise ValueError(f"decode_attention takes head sizes up to {MAX_HEAD} and at most {MAX_GROUP} query "
+                         f"heads a KV head, got H={h}, {n // kv_heads}")
+
+
+def decode_attention(q_BNH, k, v, mask_BS, scale: float, cap: float, temperature_B=None, layer=None):
     """One decode step of grouped-query attention read in place from float32 or bf16 caches.
 
-    ``q [B, N, H]`` (rotated), caches ``k, v [B, K, S_max, H]`` and ``mask [B, S]`` (S <= S_max:
-    only the first S positions are read). Query head n uses KV head ``n // (N / K)``; logits are
-    ``t * cap * tanh(scale * q.k / cap)`` (``t``: the row's ``temperature_B``, default 1),
-    softmaxed over the allowed keys; a row with none allowed
-    gets zeros. ``[B, N, H]`` float32. A bf16 cache is widened in registers, exactly.
-    (attention.cc: XLA:CPU copies the S positions out of each cache first.)"""
+    ``q [B, N, H]`` (rotated), caches ``k, v [B, K, S_max, H]``, or with ``layer`` (an int or a
+    traced scalar) every layer's ``[L, B, K, S_max, H]`` of which that layer is read, and ``mask
+    [B, S]`` (S <= S_max: only the first S positions are read). Query head n uses KV head
+    ``n // (N / K)``; logits are ``t * cap * tanh(scale * q.k / cap)`` (``t``: the row's
+    ``temperature_B``, default 1), softmaxed over the allowed keys; a row with none allowed gets
+    zeros. ``[B, N, H]`` float32. A bf16 cache is widened in registers, exactly.
+    (attention.cc: XLA:CPU would copy the S positions out of each cache first.)"""
     b, n, h = q_BNH.shape
-    if q_BNH.dtype != jnp.float32 or k_BKSH.dtype not in (jnp.float32, jnp.bfloat16) or v_BKSH.dtype != k_BKSH.dtype:
+    if q_BNH.dtype != jnp.float32 or k.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != k.dtype:
         raise ValueError(f"decode_attention takes float32 queries and float32 or bf16 caches, got q {q_BNH.dtype}, "
-                         f"k {k_BKSH.dtype}, v {v_BKSH.dtype}")
-    if (k_BKSH.ndim != 4 or v_BKSH.shape != k_BKSH.shape or k_BKSH.shape[0] != b or k_BKSH.shape[3] != h
-            or mask_BS.shape[0] != b or mask_BS.ndim != 2 or mask_BS.shape[1] > k_BKSH.shape[2]
-            or n % k_BKSH.shape[1]):
-        raise ValueError(f"decode_attention: q {q_BNH.shape}, k {k_BKSH.shape}, v {v_BKSH.shape} and mask "
-                         f"{mask_BS.shape} do not match ([B, N, H], [B, K, S_max, H], [B, S <= S_max])")
-    if not decode_attention_fits(n, k_BKSH.shape[1], h):
-        raise ValueError(f"decode_attention takes head sizes up to {MAX_HEAD} and at most {MAX_GROUP} query "
-                         f"heads a KV head, got H={h}, {n // k_BKSH.shape[1]}")
+                         f"k {k.dtype}, v {v.dtype}")
+    k, layer_ = _stack(k, layer)
+    v, _ = _stack(v, layer)
+    if (k.ndim != 5 or v.shape != k.shape or k.shape[1] != b or k.shape[4] != h or mask_BS.shape[0] != b
+            or mask_BS.ndim != 2 or mask_BS.shape[1] > k.shape[3] or n % k.shape[2]):
+        raise ValueError(f"decode_attention: q {q_BNH.shape}, k {k.shape}, v {v.shape} and mask {mask_BS.shape} "
+                         "do not match ([B, N, H], [L, B, K, S_max, H] with a layer or [B, K, S_max, H], "
+                         "[B, S <= S_max])")
+    _check_heads(n, k.shape[2], h)
     build.require()
-    target = build.ATTENTION if k_BKSH.dtype == jnp.float32 else build.ATTENTION_BF16
+    target = build.ATTENTION if k.dtype == jnp.float32 else build.ATTENTION_BF16
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
-    return call(q_BNH, k_BKSH, v_BKSH, mask_BS.astype(jnp.bool_), _temperature(temperature_B, b),
+    return call(q_BNH, k, v, mask_BS.astype(jnp.bool_), _temperature(temperature_B, b), layer_,
                 scale=np.float32(scale), cap=np.float32(cap))
 
 
-def decode_attention_int8(q_BNH, k, v, mask_BS, scale: float, cap: float, temperature_B=None):
+def decode_attention_int8(q_BNH, k, v, mask_BS, scale: float, cap: float, temperature_B=None, layer=None):
     """``decode_attention`` over an int8 cache read in place: ``k`` and ``v`` are int8 records
     (``model.memory.QuantizedKV``: ``values [B, K, S_max, H]`` int8, ``scales [B, K, S_max, 1]``
-    float32). Each key's scale multiplies its logit after the dot, each value's its softmax
-    weight, so the int8 rows are converted in registers only: a quarter of float32's bytes read."""
+    float32; or every layer's, ``[L, ...]``, with ``layer``). Each key's scale multiplies its logit
+    after the dot, each value's its softmax weight, so the int8 rows are converted in registers
+    only: a quarter of float32's bytes read."""
     b, n, h = q_BNH.shape
     if (q_BNH.dtype != jnp.float32 or k.values.dtype != jnp.int8 or v.values.dtype != jnp.int8
             or k.scales.dtype != jnp.float32 or v.scales.dtype != jnp.float32):
         raise ValueError(f"decode_attention_int8 takes float32 queries and int8 values with float32 scales, got q "
                          f"{q_BNH.dtype}, k {k.values.dtype}/{k.scales.dtype}, v {v.values.dtype}/{v.scales.dtype}")
+    k, layer_ = _stack(k, layer)
+    v, _ = _stack(v, layer)
     shape = k.values.shape
-    if (len(shape) != 4 or v.values.shape != shape or shape[0] != b or shape[3] != h or mask_BS.ndim != 2
-            or mask_BS.shape[0] != b or mask_BS.shape[1] > shape[2] or n % shape[1]
-            or k.scales.shape != (*shape[:3], 1) or v.scales.shape != k.scales.shape):
+    if (len(shape) != 5 or v.values.shape != shape or shape[1] != b or shape[4] != h or mask_BS.ndim != 2
+            or mask_BS.shape[0] != b or mask_BS.shape[1] > shape[3] or n % shape[2]
+            or k.scales.shape != (*shape[:4], 1) or v.scales.shape != k.scales.shape):
         raise ValueError(f"decode_attention_int8: q {q_BNH.shape}, k {shape} (scales {k.scales.shape}), v "
                          f"{v.values.shape} (scales {v.scales.shape}) and mask {mask_BS.shape} do not match "
-                         "([B, N, H], [B, K, S_max, H] with [B, K, S_max, 1], [B, S <= S_max])")
-    if not decode_attention_fits(n, shape[1], h):
-        raise ValueError(f"decode_attention takes head sizes up to {MAX_HEAD} and at most {MAX_GROUP} query "
-                         f"heads a KV head, got H={h}, {n // shape[1]}")
+                         "([B, N, H], [L, B, K, S_max, H] with [L, B, K, S_max, 1] and a layer, or the same "
+                         "without L, [B, S <= S_max])")
+    _check_heads(n, shape[2], h)
     build.require()
     call = jax.ffi.ffi_call(build.ATTENTION_INT8, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
     return call(q_BNH, k.values, k.scales, v.values, v.scales, mask_BS.astype(jnp.bool_),
-                _temperature(temperature_B, q_BNH.shape[0]), scale=np.float32(scale),
-                cap=np.float32(cap))
+                _temperature(temperature_B, b), layer_, scale=np.float32(scale), cap=np.float32(cap))
 
 
 def filter_threshold(scaled_BV, top_k_B, nucleus_p_B):
