@@ -119,7 +119,7 @@ def ours(args, limits: LimitsProbe) -> list[dict]:
             model = ModelRunner(model=BENCH, params=params, dtype=dtype, quantize=quantize)
             runners[way] = InferenceRunner(runner=model, batch_size=b, pad_sizes=(64,), decode_steps=2)
             runners[way] = runners[way].initialize()
-            print(f"batch {b}, {way}: {model.backend_report()}", flush=True)
+            print(f"batch {b}, {way}: {runners[way].backend_report()}", flush=True)
         rng = np.random.default_rng(b)
         prompts = [rng.integers(4, BENCH.vocab_size, 64).tolist() for _ in range(b)]
         rates = {way: [] for way in WAYS}
