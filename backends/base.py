@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from model.memory import write_kv
+
 
 class Backend:
     """What the model needs from the machine. Subclasses are frozen dataclasses: a backend is a
@@ -35,6 +37,11 @@ class Backend:
         (``model.memory.KVMemory``: a backend may read it in place); ``temperature_BT`` (float32,
         or None) multiplies each query's capped logits (Grok-2's attention temperature)."""
         raise NotImplementedError
+
+    def write_kv(self, cache, layer, rows_BT, positions_BT, new_BTKH):
+        """``model.memory.write_kv``: the chunk's keys (or values) written into layer ``layer`` of
+        the stack, a position past the cache dropped. A backend may write in place its own way."""
+        return write_kv(cache, layer, rows_BT, positions_BT, new_BTKH)
 
     def sampling_cut(self, scaled_BV, top_k_B, nucleus_p_B):
         """Per row, the smallest tempered logit that top-k then top-p keep ``[B]``."""

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ACTIVATIONS, ModelConfig
-from model.memory import write_kv
 from model.quant import QuantizedWeight8bit, dequantize
 from model.partitioning import constrain
 
@@ -190,7 +189,7 @@ class MultiHeadAttention(nn.Module):
             rows_BT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
             # a scatter that drops a padded position past sequence_len; an int8 cache quantises
             # the chunk's K/V as it writes them, so the chunk attends to them as rounded too
-            cache = tuple(write_kv(full, layer, rows_BT, positions_BT, new)
+            cache = tuple(backend.write_kv(full, layer, rows_BT, positions_BT, new)
                           for full, new in zip(cache, (k_BTKH, v_BTKH)))
             cache = jax.tree_util.tree_map(lambda x: constrain(x, CACHE), cache)  # never resharded
             # The backend reads layer ``layer`` of the stack, and of it the first S positions only

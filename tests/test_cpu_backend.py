@@ -412,6 +412,41 @@ def test_decode_attention_reads_one_layer_of_the_stack_in_place(kind):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_the_cache_write_equals_the_scatter_and_is_in_place(kind):
+    """The backend's cache write (``ops.kv_write``, the stack aliased to the result) writes what
+    ``model.memory.write_kv`` writes, bit for bit: the layer's rows at their positions, a position
+    past the cache dropped, every other layer untouched; a donated stack is written
+    where it lies. A layer past the stack is an error."""
+    from model.memory import quantize_kv, write_kv
+
+    rng = np.random.default_rng(5)
+    layers, b, kv, s_max, h, t = 3, 4, 2, 16, 8, 3
+    stack = jnp.asarray(rng.standard_normal((layers, b, kv, s_max, h)), jnp.float32)
+    stack = quantize_kv(stack) if kind == "int8" else stack.astype(kind)
+    new = jnp.asarray(rng.standard_normal((b, t, kv, h)), jnp.float32)
+    rows = jnp.asarray([[0] * t, [2] * t, [3] * t, [1] * t], jnp.int32)
+    positions = jnp.asarray([[0, 1, 2], [13, 14, 15], [14, 15, 16], [4, 5, 99]], jnp.int32)  # some past the cache: dropped
+    backend = CPU(on=frozenset({"attention"}))
+    for layer in range(layers):
+        want = write_kv(stack, layer, rows, positions, new)
+        got = jax.jit(backend.write_kv)(stack, jnp.int32(layer), rows, positions, new)
+        for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            np.testing.assert_array_equal(np.asarray(g.view(np.uint16) if g.dtype == jnp.bfloat16 else g),
+                                          np.asarray(w.view(np.uint16) if w.dtype == jnp.bfloat16 else w))
+        assert not np.array_equal(np.asarray(jax.tree_util.tree_leaves(got)[0]),
+                                  np.asarray(jax.tree_util.tree_leaves(stack)[0]))  # something was written
+
+    donated = jax.tree_util.tree_map(jnp.copy, stack)
+    where = [a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(donated)]
+    written = jax.jit(backend.write_kv, donate_argnums=0)(donated, jnp.int32(1), rows, positions, new)
+    assert [a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(written)] == where
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.block_until_ready(jax.jit(backend.write_kv)(stack, jnp.int32(layers), rows, positions, new))
+
+
+@needs_kernel
 @pytest.mark.parametrize("b, n, kv, h, s_max, s", [(3, 8, 2, 64, 40, 33), (1, 6, 1, 128, 300, 257), (2, 4, 2, 7, 9, 9)])
 def test_decode_attention_reads_an_int8_cache_as_its_dequantised_values(b, n, kv, h, s_max, s):
     """The int8 kernel applies each key's scale to its logit and each value's to its weight: the

@@ -20,6 +20,7 @@
 #endif
 
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -348,6 +349,37 @@ ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   return ffi::Error::Success();
 }
 
+// The cache write: `update` [B, T, K, H] into layer `layer` of a stack [L, B, K, S, H] (any
+// dtype: the rows are copied as bytes) at (rows[b, t], positions[b, t]); a row or position out of
+// range is dropped. The result aliases the stack (ffi_call's input_output_aliases), so with the
+// stack donated the write is in place: XLA:CPU's scatter into a bf16 stack widens the whole stack
+// to float32 and back, and its bits-as-uint16 scatter copies the stack for each layer's readers.
+ffi::Error KvWrite(ffi::AnyBuffer stack, ffi::AnyBuffer update, ffi::Buffer<ffi::S32> rows,
+                   ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out) {
+  auto sd = stack.dimensions(), ud = update.dimensions(), rd = rows.dimensions();
+  auto same = [](auto a, auto b) { return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin()); };
+  if (sd.size() != 5 || ud.size() != 4 || rd.size() != 2 || layer.dimensions().size() != 0 ||
+      !same(positions.dimensions(), rd) || ud[0] != rd[0] || ud[1] != rd[1] || ud[2] != sd[2] || ud[3] != sd[4] ||
+      update.element_type() != stack.element_type() || out->element_type() != stack.element_type() ||
+      !same(out->dimensions(), sd))
+    return ffi::Error::InvalidArgument(
+        "kv_write: stack [L, B, K, S, H], update [B', T, K, H] of its dtype, rows and positions [B', T], layer a scalar");
+  int32_t l = *layer.typed_data();
+  if (l < 0 || l >= sd[0]) return ffi::Error::InvalidArgument("kv_write: layer out of range");
+  auto* dst = static_cast<char*>(out->untyped_data());
+  if (dst != stack.untyped_data()) std::memcpy(dst, stack.untyped_data(), stack.size_bytes());
+  const int64_t width = ffi::ByteWidth(stack.element_type()), kv_heads = sd[2], s_max = sd[3];
+  const int64_t row = width * sd[4];  // bytes of one (head, position)
+  const auto* src = static_cast<const char*>(update.untyped_data());
+  const int32_t *r = rows.typed_data(), *p = positions.typed_data();
+  for (int64_t i = 0; i < rd[0] * rd[1]; ++i) {
+    if (r[i] < 0 || r[i] >= sd[1] || p[i] < 0 || p[i] >= s_max) continue;
+    char* at = dst + ((((int64_t(l) * sd[1] + r[i]) * kv_heads) * s_max + p[i]) * row);
+    for (int64_t k = 0; k < kv_heads; ++k) std::memcpy(at + k * s_max * row, src + (i * kv_heads + k) * row, row);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(decode_attention, DecodeAttention,
@@ -390,3 +422,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(decode_attention_bf16, DecodeAttentionBf16,
                                   .Attr<float>("scale")
                                   .Attr<float>("cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kv_write, KvWrite,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());

@@ -40,6 +40,7 @@ BF16_GROUPED = "grok_runner_grouped_bf16_panel_matmul"
 ATTENTION = "grok_runner_decode_attention"
 ATTENTION_INT8 = "grok_runner_decode_attention_int8"
 ATTENTION_BF16 = "grok_runner_decode_attention_bf16"
+KV_WRITE = "grok_runner_kv_write"
 FILTER = "grok_runner_sampling_threshold"
 SUMMARY = "grok_runner_logits_summary"
 
@@ -110,7 +111,7 @@ def _build_once() -> str | None:
                     INT8_MATMUL: library.int8_panel_matmul, INT8_GROUPED: library.grouped_int8_panel_matmul,
                     BF16_MATMUL: library.bf16_panel_matmul, BF16_GROUPED: library.grouped_bf16_panel_matmul,
                     ATTENTION: library.decode_attention, ATTENTION_INT8: library.decode_attention_int8,
-                    ATTENTION_BF16: library.decode_attention_bf16,
+                    ATTENTION_BF16: library.decode_attention_bf16, KV_WRITE: library.kv_write,
                     FILTER: library.sampling_threshold, SUMMARY: library.logits_summary}
     except (OSError, AttributeError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash, bad library
         return f"building or loading {lib} failed: {e}"

@@ -296,6 +296,25 @@ def decode_attention_int8(q_BNH, k, v, mask_BS, scale: float, cap: float, temper
                 _temperature(temperature_B, b), layer_, scale=np.float32(scale), cap=np.float32(cap))
 
 
+def kv_write(stack, layer, rows_BT, positions_BT, new_BTKH):
+    """``stack [L, B, K, S, H]`` (any dtype) with ``new [B', T, K, H]`` (its dtype) written into
+    layer ``layer`` (an int or a traced scalar) at ``(rows[b, t], positions[b, t])``; a row or
+    position out of range is dropped, as ``model.memory.write_kv`` drops it. The result aliases
+    the stack: with the stack donated, XLA writes it in place (attention.cc ``KvWrite``), where
+    XLA:CPU's scatter into a bf16 stack copies the whole stack, every layer."""
+    b, t = rows_BT.shape
+    if (stack.ndim != 5 or new_BTKH.shape != (b, t, stack.shape[2], stack.shape[4]) or positions_BT.shape != (b, t)
+            or new_BTKH.dtype != stack.dtype):
+        raise ValueError(f"kv_write: stack {stack.shape} {stack.dtype}, update {new_BTKH.shape} {new_BTKH.dtype}, "
+                         f"rows {rows_BT.shape} and positions {positions_BT.shape} do not match ([L, B, K, S, H], "
+                         "[B', T, K, H] of the stack's dtype, [B', T])")
+    build.require()
+    call = jax.ffi.ffi_call(build.KV_WRITE, jax.ShapeDtypeStruct(stack.shape, stack.dtype),
+                            input_output_aliases={0: 0})
+    return call(stack, new_BTKH, rows_BT.astype(jnp.int32), positions_BT.astype(jnp.int32),
+                jnp.asarray(layer, jnp.int32))
+
+
 def filter_threshold(scaled_BV, top_k_B, nucleus_p_B):
     """Per row of tempered logits ``scaled [B, V]``, the smallest logit that top-k (``top_k [B]``,
     0 = off) then top-p (``nucleus_p [B]``, >= 1 = off) sampling keeps: the rule of
