@@ -161,18 +161,20 @@ def _placeholder(source):
 
 def materialize(sources: dict, config: ModelConfig, *, mesh: Mesh | None, dtype=None,
                 dequantize: bool = False, rules: dict | None = None, to_host: bool = False,
-                progress: bool | None = None) -> dict:
+                progress: bool | None = None, abstract: bool = False) -> dict:
     """Build the parameter tree from lazy sources (by their on-disk names), each device reading
     only its own slice; the layers' are stacked (``stack_layers``).
 
     ``dtype`` casts float parameters (and int8 scales); ``dequantize`` turns int8 weights into
-    ``dtype`` (default float32) arrays at load. ``to_host`` returns numpy arrays instead.
+    ``dtype`` (default float32) arrays at load. ``to_host`` returns numpy arrays instead;
+    ``abstract`` the tree's ``jax.ShapeDtypeStruct``s, in the dtypes a restore gives, with nothing
+    read (what a server's steps are compiled for ahead of its weights: ``runner.compiled``).
     """
     check_sources(sources, config)
     sources = stack_layers(sources)
     total = sum(s.nbytes for s in sources.values())
     bar = None
-    if progress or (progress is None and total > (1 << 30)):
+    if not abstract and (progress or (progress is None and total > (1 << 30))):
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="restore")
@@ -194,6 +196,8 @@ def materialize(sources: dict, config: ModelConfig, *, mesh: Mesh | None, dtype=
         flat_shardings = collections.defaultdict(lambda: single)
 
     def build(lazy: LazyTensor, sharding, out_dtype, reader=None):
+        if abstract:
+            return jax.ShapeDtypeStruct(lazy.shape, out_dtype or lazy.dtype)
         reader = reader or (lambda index: lazy.read(index))
         cast = (lambda a: a.astype(out_dtype)) if out_dtype is not None else (lambda a: a)
         if sharding is None:
@@ -203,7 +207,7 @@ def materialize(sources: dict, config: ModelConfig, *, mesh: Mesh | None, dtype=
     out = {}
     for name, source in sources.items():
         if isinstance(source, LazyQuantized) and dequantize:
-            out[name] = build(source.weight, flat_shardings[name], None,
+            out[name] = build(source.weight, flat_shardings[name], deq_dtype if abstract else None,
                               reader=lambda index, s=source: dequantized_slice(s, index, deq_dtype))
         elif isinstance(source, LazyQuantized):
             out[name] = QuantizedWeight8bit(

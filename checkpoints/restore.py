@@ -113,13 +113,13 @@ def inspect(directory: str, config=None, tokenizer: str | None = None, *, need_t
 
 def restore(directory: str, *, mesh: Mesh | None = None, dtype=None, dequantize: bool = False,
             config=None, rules: dict | None = None, tokenizer: str | None = None, shard: int = 0,
-            progress: bool | None = None) -> Restored:
+            progress: bool | None = None, abstract: bool = False) -> Restored:
     """Restore a native or original-layout checkpoint onto ``mesh`` (default: one device), after
-    ``inspect``'s checks."""
+    ``inspect``'s checks; with ``abstract``, the parameters' shapes and dtypes only, nothing read."""
     inspected = inspect(directory, config, tokenizer, shard=shard)
     config = inspected.config
-    params = materialize(inspected.sources, config, mesh=mesh, dtype=dtype, dequantize=dequantize, rules=rules,
-                         progress=progress)
+    params = materialize(inspected.sources, config, mesh=mesh, dtype=dtype, dequantize=dequantize,
+                         rules=rules, progress=progress, abstract=abstract)
     return Restored(config, params, inspected.tokenizer_path)
 
 

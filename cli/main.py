@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import sys
 
-SUBCOMMANDS = ("generate", "serve", "convert", "plan")
+SUBCOMMANDS = ("generate", "serve", "compile", "convert", "plan")
 USAGE = """grok-runner: serve and run Grok-1 and Grok-2 style mixture-of-experts models with JAX.
 
     grok-runner [generate] [--prompt TEXT] ...   stream continuations (the default subcommand)
     grok-runner serve [--checkpoint DIR] ...     the OpenAI-compatible HTTP server
+    grok-runner compile [serve's flags]          serve's steps compiled into its store, from the headers alone
     grok-runner convert SRC DST                  a checkpoint (ckpt-0/ with --config, Hugging Face) to the native format
     grok-runner plan --preset grok-1 --mesh 1,8  the per-device memory plan
 
@@ -34,6 +35,9 @@ def main(argv=None) -> int:
     if command == "serve":
         from cli.serve import serve
         return serve(argv, f"{prog} serve")
+    if command == "compile":
+        from cli.compile import compile_ahead
+        return compile_ahead(argv, f"{prog} compile")
     if command == "convert":
         from cli.convert import convert
         return convert(argv, f"{prog} convert")

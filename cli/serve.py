@@ -63,6 +63,22 @@ def prefix_cache_of(args) -> dict:
     return {"prefix_cache_bytes": int(args.prefix_cache_gb * 1e9)}
 
 
+def runner_of(args, checkpoint: str, tokenizer_path):
+    """The ``InferenceRunner`` (not initialised) that serve's flags ``args`` describe: what ``serve``
+    starts and ``grok-runner compile`` compiles the steps of."""
+    from runner import InferenceRunner, ModelRunner
+
+    return InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, model=args.config, backend=args.backend,
+                                              kv_dtype=args.kv_dtype, quantize=args.quantize, dtype=args.dtype),
+                           tokenizer_path=tokenizer_path, batch_size=args.batch_size, local_mesh_config=args.mesh,
+                           pad_sizes=args.pad_sizes, score_prompts=args.max_scored_tokens != 0,
+                           decode_steps=args.decode_steps, speculative=args.speculative,
+                           compile_cache=compile_cache_of(args),
+                           **({} if args.max_num_batched_tokens is None
+                              else {"max_num_batched_tokens": args.max_num_batched_tokens}),
+                           **prefix_cache_of(args))
+
+
 def serve(argv, prog: str) -> int:
     p = parser(prog)
     args = p.parse_args(argv)
@@ -81,7 +97,6 @@ def serve(argv, prog: str) -> int:
     import jax
 
     from checkpoints import CheckpointError
-    from runner import InferenceRunner, ModelRunner
     from runner.compile_count import compilations
     from runner.startup import stderr_startup
     from server import Limits, Server, serve_forever
@@ -97,17 +112,7 @@ def serve(argv, prog: str) -> int:
     def build() -> Server:
         """The model ready, and the server over it (``SystemExit(2)`` saying why if it cannot be)."""
         try:
-            runner = InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, model=args.config,
-                                                        backend=args.backend, kv_dtype=args.kv_dtype,
-                                                        quantize=args.quantize, dtype=args.dtype),
-                                     tokenizer_path=inspected.tokenizer_path, batch_size=args.batch_size,
-                                     local_mesh_config=args.mesh, pad_sizes=args.pad_sizes,
-                                     score_prompts=args.max_scored_tokens != 0, decode_steps=args.decode_steps,
-                                     speculative=args.speculative, compile_cache=compile_cache_of(args),
-                                     **({} if args.max_num_batched_tokens is None
-                                        else {"max_num_batched_tokens": args.max_num_batched_tokens}),
-                                     **prefix_cache_of(args))
-            runner = runner.initialize(startup=startup)
+            runner = runner_of(args, checkpoint, inspected.tokenizer_path).initialize(startup=startup)
             if jax.process_index() != 0:
                 return runner
             with startup.phase("server"):

@@ -105,12 +105,16 @@ class Executor:
     @classmethod
     def create(cls, spec: ModelRunner, mesh: Mesh | None = None, batch_size: int | None = None,
                prefix_blocks: int | str = 0, prefix_block_size: int = 16, prefix_bytes: int = 0,
-               startup: Startup | None = None) -> "Executor":
+               startup: Startup | None = None, abstract: bool = False) -> "Executor":
         """Restore (or place) ``spec``'s parameters, choose the backend and build the compiled
         steps and the decode state, with a prefix pool (``runner.prefix_cache``) of
         ``prefix_blocks`` blocks of ``prefix_block_size`` positions ("auto": as many as the slots
         hold positions), or of as many as ``prefix_bytes`` hold (0: none). Each phase is marked
-        on ``startup``."""
+        on ``startup``. With ``abstract`` nothing is read or allocated: the parameters and the
+        state are the shapes, dtypes and placements the same call would give (the checkpoint's
+        headers alone), so its steps compile ahead of the weights into the store a server of
+        the same settings loads (``InferenceRunner.compile_ahead``); the XLA backend only (the
+        CPU backend's layout is made from the weights)."""
         startup = startup or Startup.quiet()
         if spec.backend not in BACKENDS:
             raise ValueError(f"ModelRunner.backend must be one of {BACKENDS}, got {spec.backend!r}")
@@ -119,9 +123,13 @@ class Executor:
         if spec.quantize not in (None, "int8"):
             raise ValueError(f"ModelRunner.quantize must be None or 'int8', got {spec.quantize!r}")
         mesh = mesh or spec.mesh or make_mesh((1, 1), jax.devices()[:1])
-        start(spec.backend, mesh)  # the kernels' compiler runs while the checkpoint is restored
+        if abstract and spec.backend != "xla" and one_cpu_device(mesh):
+            raise ValueError(f"compiling ahead of the weights takes the XLA backend (backend='xla'), got "
+                             f"backend={spec.backend!r} on one CPU device: the CPU backend lays out the weights")
+        if not abstract:
+            start(spec.backend, mesh)  # the kernels' compiler runs while the checkpoint is restored
         with startup.phase("restore"):
-            loaded = _load(spec, mesh)
+            loaded = _load(spec, mesh, abstract)
         batch_size = batch_size or max(1, int(spec.bs_per_device * mesh.size))
         data = mesh.shape["data"]
         if batch_size % data:
@@ -139,7 +147,7 @@ class Executor:
             log.info("%s", line)
         log.info("%s", kv_report(config, spec.kv_dtype))
         with startup.phase("layout"):  # the parameters in the backend's layout, placed; the state
-            return cls(spec, loaded, batch_size, selection, prefix_blocks, prefix_block_size)
+            return cls(spec, loaded, batch_size, selection, prefix_blocks, prefix_block_size, abstract=abstract)
 
     # ---- what it runs and holds ----------------------------------------------------------------
     def backend_report(self) -> str:
@@ -445,16 +453,21 @@ def kv_report(config: ModelConfig, kv_dtype: str | None) -> str:
     return f"KV cache: {kv}, {config.kv_bytes_per_token(kv):,} bytes a token{scales}"
 
 
-def _load(spec: ModelRunner, mesh: Mesh) -> Loaded:
+def _load(spec: ModelRunner, mesh: Mesh, abstract: bool = False) -> Loaded:
     """``spec``'s config and canonical parameters on ``mesh``: restored from its checkpoint, or
-    its own; int8-quantised if it asks; its config in the activations' dtype."""
+    its own; int8-quantised if it asks; its config in the activations' dtype. With ``abstract``
+    the parameters' ``jax.ShapeDtypeStruct``s, nothing read."""
     if spec.params is None:
-        loaded = _restore(spec, mesh)
+        loaded = _restore(spec, mesh, abstract)
     elif spec.model is None:
         raise ValueError("ModelRunner.model (a ModelConfig) is required with params")
     else:
-        loaded = Loaded(spec.model, spec.params, mesh, None)
-    params = quantize_params(loaded.params) if spec.quantize == "int8" else loaded.params
+        params = jax.eval_shape(lambda: spec.params) if abstract else spec.params
+        loaded = Loaded(spec.model, params, mesh, None)
+    if spec.quantize == "int8":
+        params = jax.eval_shape(quantize_params, loaded.params) if abstract else quantize_params(loaded.params)
+    else:
+        params = loaded.params
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     # From a checkpoint on CPU the activations are float32 unless bf16 was asked for.
     dtype = spec.dtype or ("float32" if spec.params is None and on_cpu else None)
@@ -462,7 +475,7 @@ def _load(spec: ModelRunner, mesh: Mesh) -> Loaded:
     return dataclasses.replace(loaded, config=config, params=params)
 
 
-def _restore(spec: ModelRunner, mesh: Mesh) -> Loaded:
+def _restore(spec: ModelRunner, mesh: Mesh, abstract: bool = False) -> Loaded:
     from checkpoints import restore
 
     if spec.checkpoint_path is None:
@@ -473,7 +486,8 @@ def _restore(spec: ModelRunner, mesh: Mesh) -> Loaded:
     # On CPU the float weights are held in the activations' dtype: float32 unless bf16 was asked for.
     held = (jnp.bfloat16 if spec.dtype == "bfloat16" else np.float32) if on_cpu else None
     restored = restore(spec.checkpoint_path, mesh=mesh, config=spec.model,
-                       rules=DEFAULT_RULES if spec.rules is None else spec.rules, dequantize=dequantize, dtype=held)
+                       rules=DEFAULT_RULES if spec.rules is None else spec.rules, dequantize=dequantize, dtype=held,
+                       abstract=abstract)
     return Loaded(restored.config, restored.params, mesh, restored.tokenizer_path)
 
 

@@ -172,6 +172,26 @@ class InferenceRunner:
                                 f"{done['compiled']} compiled")
         return done["loaded"] + done["compiled"]
 
+    def compile_ahead(self, startup: Optional[Startup] = None) -> dict:
+        """Compile every step a server of these settings builds (``compile``) into
+        ``compile_cache`` from the checkpoint's headers alone: no weight is read and nothing is
+        allocated (``Executor.create(abstract=True)``), so a deployment can fill the store while
+        its weights are still on their way, and its first start loads every step. The XLA
+        backend only (``runner.backend="xla"``, or a mesh of accelerators). Returns how many
+        steps were already stored and how many were compiled; the runner stays uninitialised."""
+        if self.compile_cache is None:
+            raise ValueError("compile_ahead needs compile_cache (the directory a server's start loads its steps from)")
+        if jax.process_count() > 1:
+            raise ValueError("compile_ahead runs in one process: on several hosts every process compiles its own "
+                             "steps (JAX's persistent cache keeps them)")
+        startup = startup or Startup.quiet()
+        engine = _build_engine(self, startup, abstract=True)
+        with startup.phase("compile"):
+            done = engine.compile(self.score_prompts, self.compile_cache, startup)
+        startup.note("compile", f"{done['loaded'] + done['compiled']} steps: {done['loaded']} already stored, "
+                                f"{done['compiled']} compiled")
+        return done
+
     def _check_pad_sizes(self, sequence_len: int) -> tuple[int, ...]:
         s = sequence_len
         if self.pad_sizes is None:
@@ -369,9 +389,10 @@ class InferenceRunner:
         return chunk_lengths(len(ids), self.engine.scheduler.chunk_sizes)
 
 
-def _build_engine(spec: InferenceRunner, startup: Startup) -> Engine:
+def _build_engine(spec: InferenceRunner, startup: Startup, abstract: bool = False) -> Engine:
     """``spec`` served: its fields checked, its model restored onto the mesh (``Executor``), its
-    tokenizer, its scheduler (with the prefix cache's index) and the engine over them."""
+    tokenizer, its scheduler (with the prefix cache's index) and the engine over them. With
+    ``abstract``, an engine to compile with alone: nothing read or allocated, no tokenizer."""
     spec._check_fields()
     mesh = spec.mesh or spec.runner.mesh
     if mesh is None:
@@ -380,7 +401,7 @@ def _build_engine(spec: InferenceRunner, startup: Startup) -> Engine:
     _preflight(spec, mesh)
     size = spec.prefix_block_size
     executor = Executor.create(spec.runner, mesh, spec.batch_size, spec.prefix_cache_blocks, size,
-                               spec.prefix_cache_bytes, startup=startup)
+                               spec.prefix_cache_bytes, startup=startup, abstract=abstract)
     config = executor.config
     kv_buckets = default_kv_buckets(config.sequence_len)
     prefix = None
@@ -390,7 +411,7 @@ def _build_engine(spec: InferenceRunner, startup: Startup) -> Engine:
                              f"(sequence_len {config.sequence_len})")
         identity = repr((config, spec.runner.checkpoint_path)).encode()  # blocks of one model
         prefix = PrefixCache(executor.prefix_blocks, size, identity)
-    path = spec.tokenizer_path or executor.tokenizer_path
+    path = None if abstract else spec.tokenizer_path or executor.tokenizer_path
     tokenizer = load_tokenizer(path) if path is not None else None
     if tokenizer is not None and tokenizer.vocab_size != config.vocab_size:
         raise ValueError(f"tokenizer {path} has {tokenizer.vocab_size} pieces but the model's "

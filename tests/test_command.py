@@ -158,7 +158,7 @@ def test_weights_and_kv_larger_than_a_device_fail_before_the_restore(reference_d
 
 
 def test_every_subcommand_shares_the_model_flags_and_checks_them_before_loading():
-    for sub in ("serve", "generate"):
+    for sub in ("serve", "generate", "compile"):
         done = command(sub, "--mesh", "1,0")
         assert done.returncode == 2 and "argument --mesh: expected DATA,MODEL" in done.stderr, done.stderr
         assert "restore" not in done.stderr
@@ -166,6 +166,22 @@ def test_every_subcommand_shares_the_model_flags_and_checks_them_before_loading(
     assert done.returncode == 2 and "--preset" in done.stderr.strip().splitlines()[-1]
     done = command("serve", "--allowed-origins", "example.com")
     assert done.returncode == 2 and "argument --allowed-origins" in done.stderr
+
+
+def test_compile_fills_serves_store_from_the_headers_and_says_what_it_needs(tmp_path):
+    """``grok-runner compile`` takes serve's flags and compiles its steps into --compile-cache (the
+    runner's ``compile_ahead``, tested against a start in tests/test_runner.py); on one CPU device
+    it asks for --backend xla, and it needs a store."""
+    flags = ("--batch-size", "1", "--pad-sizes", "16", "--max-num-batched-tokens", "16", "--prefix-cache-gb", "0",
+             "--compile-cache", str(tmp_path))
+    done = command("compile", *flags, "--backend", "xla")
+    assert done.returncode == 0, done.stderr
+    compiled = len(list(tmp_path.rglob("*.exe")))
+    assert compiled > 2 and f"{compiled} steps compiled into {tmp_path} (0 were stored already)" in done.stdout
+    done = command("compile", *flags)
+    assert done.returncode == 2 and "takes the XLA backend (backend='xla')" in done.stderr, done.stderr
+    done = command("compile", "--compile-cache", "off")
+    assert done.returncode == 2 and "nowhere to compile into" in done.stderr, done.stderr
 
 
 def test_a_stored_compiled_step_is_loaded_only_from_files_this_user_alone_may_write(tmp_path):

@@ -183,6 +183,43 @@ def test_without_the_warmup_each_variant_is_compiled_when_first_called_and_kept_
         jax.config.update("jax_enable_compilation_cache", True)
 
 
+def test_steps_compiled_ahead_from_the_headers_are_what_a_server_start_loads(tmp_path):
+    """``compile_ahead`` fills the store from the checkpoint's headers alone (nothing read, on the
+    XLA backend): a runner of the same settings then loads every step and compiles nothing, and
+    gives the tokens of one that compiled its own. It needs a store, and the XLA backend where one
+    CPU device would take the CPU backend (whose layout is made from the weights)."""
+    from runner.runner import default_checkpoint
+
+    checkpoint = default_checkpoint()
+    if checkpoint is None:
+        pytest.skip("the shipped checkpoint is not in this installation")
+
+    def make(store, backend="xla"):
+        return InferenceRunner(runner=ModelRunner(checkpoint_path=checkpoint, backend=backend), batch_size=2,
+                               pad_sizes=(16, 32), max_num_batched_tokens=32, compile_cache=store)
+
+    store = tmp_path / "store"
+    jax.config.update("jax_enable_compilation_cache", False)  # JAX's cached programs are never stored
+    try:
+        done = make(str(store)).compile_ahead()
+        assert done["loaded"] == 0 and done["compiled"] == len(list(store.rglob("*.exe"))) > 4
+        assert make(str(store)).compile_ahead() == {"loaded": done["compiled"], "compiled": 0}
+        compilations()
+        before = compilations()
+        served = make(str(store)).initialize()
+        assert compilations() == before  # every step loaded
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+    prompts = ["It is a truth universally acknowledged", "My dear"]
+    want = make(None).initialize(warmup=False).generate(prompts, temperature=0.0, max_len=8)
+    got = served.generate(prompts, temperature=0.0, max_len=8)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    with pytest.raises(ValueError, match="compile_cache"):
+        make(None).compile_ahead()
+    with pytest.raises(ValueError, match="XLA backend"):
+        make(str(store), backend="auto").compile_ahead()
+
+
 def test_nothing_compiles_while_serving_any_feature(params, test_tokenizer):
     """Every variant a request can reach is compiled at start: counted from the end of
     ``initialize`` (no warm-up request), a load that cancels waiting and running requests, forks
