@@ -81,15 +81,19 @@ def set_at(full, index, new):
     return bits(bits(full, jnp.uint16).at[index].set(bits(new, jnp.uint16), mode="drop"), jnp.bfloat16)
 
 
-def write_kv(cache, layer, rows_BT, positions_BT, new_BTKH):
+def write_kv(cache, layer, rows_BT, positions_BT, new_BTKH, put=None):
     """``cache`` (``[L, B, K, S, H]`` float, or a ``QuantizedKV``) with ``new_BTKH [B, T, K, H]``
     written into layer ``layer`` (an int, or a traced scalar inside the scan) at ``(rows_BT,
     positions_BT)``; a position past ``S`` is dropped, never clamped onto valid entries (XLA's
     ``dynamic_update_slice`` would clamp). The rest of the stack is untouched: in a loop over
-    layers the write is in place."""
+    layers the write is in place. ``put(full, new)`` writes one array of the cache (an int8
+    record's values, then its scales), ``new`` in its dtype: a scatter by default, a backend's
+    own in-place write otherwise (``Backend.write_kv``)."""
     new = quantize_kv(new_BTKH) if isinstance(cache, QuantizedKV) else new_BTKH
-    return jax.tree_util.tree_map(
-        lambda full, x: set_at(full, (layer, rows_BT, slice(None), positions_BT), x), cache, new)
+    if put is None:
+        return jax.tree_util.tree_map(
+            lambda full, x: set_at(full, (layer, rows_BT, slice(None), positions_BT), x), cache, new)
+    return jax.tree_util.tree_map(lambda full, x: put(full, x.astype(full.dtype)), cache, new)
 
 
 def layer_of(cache, layer):

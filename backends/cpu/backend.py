@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from backends.cpu import build, layout, ops
 from backends.xla import XLA, attend, loop_grouped_matmul
-from model.memory import QuantizedKV, quantize_kv
+from model.memory import write_kv
 
 OPERATIONS = ("moe", "projections", "unembed", "attention", "sampling_cut", "logits_summary")
 INT8_OPERATIONS = ("moe", "projections")  # those with a kernel for int8 weights
@@ -119,11 +119,8 @@ class CPU(XLA):
             # in place, byte for byte: XLA:CPU's scatter into a bf16 stack copies the whole stack
             # for every layer (bench config, batch 8, KV 512, 2-core Xeon: a bf16 decode step
             # 20 ms against 80; float32 and int8 the same either way)
-            if isinstance(cache, QuantizedKV):
-                new = quantize_kv(new_BTKH)
-                return QuantizedKV(*(ops.kv_write(full, layer, rows_BT, positions_BT, x)
-                                     for full, x in ((cache.values, new.values), (cache.scales, new.scales))))
-            return ops.kv_write(cache, layer, rows_BT, positions_BT, new_BTKH.astype(cache.dtype))
+            return write_kv(cache, layer, rows_BT, positions_BT, new_BTKH,
+                            put=lambda full, x: ops.kv_write(full, layer, rows_BT, positions_BT, x))
         return super().write_kv(cache, layer, rows_BT, positions_BT, new_BTKH)
 
     def sampling_cut(self, scaled_BV, top_k_B, nucleus_p_B):
