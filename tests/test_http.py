@@ -137,6 +137,10 @@ def test_the_port_answers_503_saying_the_phase_while_the_model_starts(serve):
     assert completion.status_code == 503 and int(completion.headers["retry-after"]) > 0
     assert completion.json()["error"]["code"] == "starting" and "starting" in completion.json()["error"]["message"]
     log = serve.log()
+    deadline = time.monotonic() + 60  # /health turns 200 just before the summary line is written
+    while "started in " not in log and time.monotonic() < deadline:
+        time.sleep(0.2)
+        log = serve.log()
     for phase in ("restore", "backend", "layout", "compile"):
         assert f"start: {phase}" in log, log[-3000:]
     assert "compiled steps: " in log  # the progress bar over them
