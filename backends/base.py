@@ -31,12 +31,18 @@ class Backend:
     def grouped_matmul(self, x_RK, w, sizes_E, dtype):
         raise NotImplementedError
 
-    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperature_BT=None, layer=None):
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperature_BT=None, layer=None, rows_BT=None):
         """Grok's capped attention over keys and values ``[B, K, S, H]``, or with ``layer`` (an
         int, or the scan's traced index) over layer ``layer`` of every layer's ``[L, B, K, S, H]``
         (``model.memory.KVMemory``: a backend may read it in place); ``temperature_BT`` (float32,
         or None) multiplies each query's capped logits (Grok-2's attention temperature)."""
         raise NotImplementedError
+
+    def decode_reads_live_keys(self, config) -> bool:
+        """Whether a decode step's attention reads only the positions its mask allows, so that
+        attending over the whole cache costs what attending over a bucket of it does: the runner
+        then compiles its decode steps for one KV length (``runner.runner``), not one a bucket."""
+        return False
 
     def write_kv(self, cache, layer, rows_BT, positions_BT, new_BTKH):
         """``model.memory.write_kv``: the chunk's keys (or values) written into layer ``layer`` of

@@ -77,9 +77,11 @@ class XLA(Backend):
         return loop_grouped_matmul(x_RK.astype(dtype), lambda x, e: x @ expert(w, e).astype(dtype),
                                    sizes_E, w.shape[-1], dtype)
 
-    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None, layer=None):
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None, layer=None, rows_BT=None):
         if layer is not None:  # the layer's slice of the stack (fused into its reads on GPU and TPU)
             k_BKSH, v_BKSH = layer_of(k_BKSH, layer), layer_of(v_BKSH, layer)
+        if rows_BT is not None:
+            return attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT, rows_BT)
         return attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT)
 
     def sampling_cut(self, scaled_BV, top_k_B, nucleus_p_B):
@@ -148,6 +150,33 @@ def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperatu
     if t >= 16 and t % queries == 0 and s >= 2 * ATTENTION_BLOCK and s % ATTENTION_BLOCK == 0:
         return attend_blocked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, queries, temperature_BT=temperature_BT)
     return attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT)
+
+
+def attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperature_BT, rows_BT):
+    """``attend`` of queries that each read a cache row of their own, query (b, t) row
+    ``rows_BT[b, t]`` (a packed prefill: several requests' chunks in one row of tokens). One cache
+    row at a time, the queries of the others masked: a row no query reads is skipped, and a block
+    of queries that holds none of a row's computes one block of keys for it (``attend_blocked``
+    stops each block after the last key it may see). A query of no row (padding) gets zeros."""
+    b, t, n, h = q_BTNH.shape
+    s = mask_BTS.shape[-1]
+    q_1QNH, mask_1QS, rows_1Q = q_BTNH.reshape(1, b * t, n, h), mask_BTS.reshape(1, b * t, s), rows_BT.reshape(1, b * t)
+    temp_1Q = None if temperature_BT is None else temperature_BT.reshape(1, b * t)
+
+    def one(r, out_1QNH):
+        mine_1Q = rows_1Q == r
+
+        def attend_row():
+            k_1KSH, v_1KSH = (jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, r, 1, axis=0), x)
+                              for x in (k_BKSH, v_BKSH))
+            got = attend(q_1QNH, k_1KSH, v_1KSH, mask_1QS & mine_1Q[..., None], scale, cap, temp_1Q)
+            return jnp.where(mine_1Q[..., None, None], got, out_1QNH)
+
+        return jax.lax.cond(jnp.any(mine_1Q), attend_row, lambda: out_1QNH)
+
+    slots = jax.tree_util.tree_leaves(k_BKSH)[0].shape[0]
+    out = jax.lax.fori_loop(0, slots, one, jnp.zeros_like(q_1QNH))
+    return out.reshape(b, t, n, h)
 
 
 def capped_logits(logits, scale: float, cap: float, temperature=None):

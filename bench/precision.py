@@ -142,16 +142,16 @@ def ours(args, limits: LimitsProbe) -> list[dict]:
         models[way] = Executor.create(models[way], batch_size=1)
     for tokens in args.prefill:
         batch = empty_batch(1, tokens, 1, vocab_size=BENCH.vocab_size)
-        batch.slots[0], batch.lengths[0], batch.first[0] = 0, tokens, True
-        batch.tokens[0] = np.random.default_rng(tokens).integers(4, BENCH.vocab_size, tokens)
+        batch.slots[0], batch.lengths[0], batch.first[0], batch.row[:] = 0, tokens, True, 0
+        batch.tokens[:] = np.random.default_rng(tokens).integers(4, BENCH.vocab_size, tokens)
         for model in models.values():
-            jax.block_until_ready(model.prefill_memory(batch, tokens))  # compiles
+            jax.block_until_ready(model.prefill_memory(batch))  # compiles
         took = {way: [] for way in WAYS}
         limits()
         for _ in range(args.repeats):
             for way, model in models.items():
                 start = time.perf_counter()
-                jax.block_until_ready((model.prefill_memory(batch, tokens), model.state))
+                jax.block_until_ready((model.prefill_memory(batch), model.state))
                 took[way].append(time.perf_counter() - start)
         for way in WAYS:
             seconds = statistics.median(took[way])

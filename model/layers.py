@@ -159,14 +159,16 @@ class MultiHeadAttention(nn.Module):
     backend: object  # what runs the matmuls and the attention (a backends.Backend, passed in)
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, mask_BTS, cache=None, layer=0):
+    def __call__(self, x_BTD, positions_BT, mask_BTS, cache=None, layer=0, rows_BT=None):
         """``mask_BTS[b, t, s]`` says whether query t of row b may attend to key s.
 
         Without ``cache`` the keys are this chunk's own (S = T). With ``cache = (k, v)``, every
         layer's ``[L, B, K, S, H]`` (positions fourth: a step reads them without a transpose), the
         chunk's K/V are written into layer ``layer`` (an int, or the scan's traced index) at
         ``positions_BT`` first and the keys are that layer's whole cache; the updated stack is
-        returned.
+        returned. Query (b, t) writes and reads cache row b, or with ``rows_BT`` row ``rows_BT[b,
+        t]`` (a packed prefill: several requests' chunks in one row of tokens; a row past the
+        cache's is padding, written nowhere).
         """
         c, backend = self.config, self.backend
         d, n, k, h = c.emb_size, c.num_q_heads, c.num_kv_heads, c.key_size
@@ -186,10 +188,10 @@ class MultiHeadAttention(nn.Module):
         k_BTKH = rotary_embedding(k_BTKH, positions_BT, c.rope_base, inv_freq_h)
 
         if cache is not None:
-            rows_BT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+            written_BT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t)) if rows_BT is None else rows_BT
             # a scatter that drops a padded position past sequence_len; an int8 cache quantises
             # the chunk's K/V as it writes them, so the chunk attends to them as rounded too
-            cache = tuple(backend.write_kv(full, layer, rows_BT, positions_BT, new)
+            cache = tuple(backend.write_kv(full, layer, written_BT, positions_BT, new)
                           for full, new in zip(cache, (k_BTKH, v_BTKH)))
             cache = jax.tree_util.tree_map(lambda x: constrain(x, CACHE), cache)  # never resharded
             # The backend reads layer ``layer`` of the stack, and of it the first S positions only
@@ -200,7 +202,7 @@ class MultiHeadAttention(nn.Module):
 
         temperature_BT = attention_temperature(positions_BT, c.attn_temperature_len) if c.attn_temperature_len else None
         out_BTNH = backend.attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, c.attn_output_multiplier, c.attn_logit_cap,
-                                     temperature_BT, layer=read)
+                                     temperature_BT, layer=read, rows_BT=rows_BT)
         out_BTD = backend.matmul(out_BTNH.reshape(b, t, n * h), wo, dtype)
         return out_BTD, cache
 
@@ -294,7 +296,7 @@ class DecoderLayer(nn.Module):
     backend: object  # what runs the matmuls and the attention (a backends.Backend, passed in)
 
     @nn.compact
-    def __call__(self, carry, layer, positions_BT, mask_BTS, valid_BT=None):
+    def __call__(self, carry, layer, positions_BT, mask_BTS, valid_BT=None, rows_BT=None):
         """``carry = (h_BTD, cache)``: the residual stream and every layer's ``(k, v)``
         (``model.memory.KVMemory``; None without memory), of which this block writes and reads
         layer ``layer``. Returns the new carry and None: the signature of a step of ``nn.scan``
@@ -302,7 +304,7 @@ class DecoderLayer(nn.Module):
         h_BTD, cache = carry
         c = self.config
         attn_BTD, cache = MultiHeadAttention(c, self.backend, name="multi_head_attention")(
-            RMSNorm(c.rms_norm_eps, name="rms_norm")(h_BTD), positions_BT, mask_BTS, cache, layer)
+            RMSNorm(c.rms_norm_eps, name="rms_norm")(h_BTD), positions_BT, mask_BTS, cache, layer, rows_BT)
         self.sow("intermediates", "attn_out", attn_BTD)
         h_BTD = constrain(h_BTD + RMSNorm(c.rms_norm_eps, name="rms_norm_1")(attn_BTD), RESIDUAL)
 

@@ -93,20 +93,20 @@ class Transformer(nn.Module):
     backend: object
 
     @nn.compact
-    def __call__(self, h_BTD, *, positions_BT, mask_BTS, memory: KVMemory | None, valid_BT=None):
+    def __call__(self, h_BTD, *, positions_BT, mask_BTS, memory: KVMemory | None, valid_BT=None, rows_BT=None):
         c = self.config
         carry = (h_BTD, None if memory is None else (memory.k, memory.v))
         if getattr(self.backend, "layers", "scan") == "unrolled":
             for i in range(c.num_layers):
                 with jax.named_scope(f"decoder_layer_{i}"):
                     carry, _ = DecoderLayer(c, self.backend, name=f"decoder_layer_{i}")(
-                        carry, i, positions_BT, mask_BTS, valid_BT)
+                        carry, i, positions_BT, mask_BTS, valid_BT, rows_BT)
             return carry
         stack = nn.scan(DecoderLayer, variable_axes={"params": 0, "intermediates": 0},
-                        split_rngs={"params": True}, in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                        split_rngs={"params": True}, in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                         length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
         carry, _ = stack(c, self.backend, name="layers")(
-            carry, jnp.arange(c.num_layers, dtype=jnp.int32), positions_BT, mask_BTS, valid_BT)
+            carry, jnp.arange(c.num_layers, dtype=jnp.int32), positions_BT, mask_BTS, valid_BT, rows_BT)
         return carry
 
 
@@ -184,32 +184,46 @@ class LanguageModel(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BT, memory: KVMemory | None = None, lengths_B=None,
-                 last_only: bool = False, kv_len: int | None = None):
+                 last_only: bool = False, kv_len: int | None = None, rows_BT=None, positions_BT=None, pick=None):
         """``kv_len`` (static, with memory): attend to cache positions ``[0, kv_len)`` only; every
-        row's ``step + length`` must fit in it (the runner picks it from a few buckets)."""
+        row's ``step + length`` must fit in it (the runner picks it from a few buckets).
+
+        A packed prefill gives ``rows_BT`` and ``positions_BT`` (with memory): token (b, t) is
+        written to and attends in cache row ``rows_BT[b, t]`` at position ``positions_BT[b, t]``,
+        seeing that row's positions up to its own; a row past the memory's is padding. Several
+        requests' chunks then share one row of tokens, and the memory's ``step`` is left to the
+        caller. ``pick`` (indices into the flattened tokens) unembeds those tokens only:
+        ``[1, len(pick), V]``; without it every token is unembedded."""
         c = self.config
         b, t = tokens_BT.shape
-        if lengths_B is None:
-            lengths_B = jnp.full((b,), t, jnp.int32)
-        lengths_B = lengths_B.astype(jnp.int32)
-        step_B = None if memory is None else memory.step
-        positions_BT = jnp.arange(t, dtype=jnp.int32)[None, :]
-        if step_B is not None:
-            positions_BT = step_B[:, None] + positions_BT
+        if rows_BT is not None:
+            s = kv_len or memory.sequence_len
+            valid_BT = rows_BT < memory.batch_size
+            mask_BTS = (jnp.arange(s)[None, None, :] <= positions_BT[:, :, None]) & valid_BT[:, :, None]
+            lengths_B = jnp.zeros((b,), jnp.int32)  # the caller sets each slot's step
         else:
-            positions_BT = jnp.broadcast_to(positions_BT, (b, t))
-        mask_BTS = attention_mask(tokens_BT, lengths_B, c.pad_token, step_B,
-                                  None if memory is None else kv_len or memory.sequence_len)
-
-        # Positions past a row's length (a bucket's padding, a free slot's decode row) are never
-        # read by a valid position, so the MoE skips them: a step costs what its real tokens cost.
-        valid_BT = jnp.arange(t)[None, :] < lengths_B[:, None]
+            if lengths_B is None:
+                lengths_B = jnp.full((b,), t, jnp.int32)
+            lengths_B = lengths_B.astype(jnp.int32)
+            step_B = None if memory is None else memory.step
+            positions_BT = jnp.arange(t, dtype=jnp.int32)[None, :]
+            if step_B is not None:
+                positions_BT = step_B[:, None] + positions_BT
+            else:
+                positions_BT = jnp.broadcast_to(positions_BT, (b, t))
+            mask_BTS = attention_mask(tokens_BT, lengths_B, c.pad_token, step_B,
+                                      None if memory is None else kv_len or memory.sequence_len)
+            # Positions past a row's length (a bucket's padding, a free slot's decode row) are never
+            # read by a valid position, so the MoE skips them: a step costs what its real tokens cost.
+            valid_BT = jnp.arange(t)[None, :] < lengths_B[:, None]
 
         head = LanguageModelHead(c, self.backend, name="language_model")
         h_BTD = head.embed(tokens_BT)
         h_BTD, cache = Transformer(c, self.backend, name="transformer")(
-            h_BTD, positions_BT=positions_BT, mask_BTS=mask_BTS, memory=memory, valid_BT=valid_BT)
-        if last_only:
+            h_BTD, positions_BT=positions_BT, mask_BTS=mask_BTS, memory=memory, valid_BT=valid_BT, rows_BT=rows_BT)
+        if pick is not None:
+            h_BTD = h_BTD.reshape(b * t, -1)[pick][None]
+        elif last_only:
             # Only the last real token's hidden state is unembedded (prefill): [B, 1, D].
             last_B = jnp.maximum(lengths_B - 1, 0)
             h_BTD = jnp.take_along_axis(h_BTD, last_B[:, None, None], axis=1)
@@ -269,7 +283,7 @@ class _Shapes:
     def grouped_matmul(self, x_RK, w, sizes_E, dtype):
         return jnp.zeros(x_RK.shape[:-1] + w.shape[-1:], dtype)
 
-    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None, layer=None):
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None, layer=None, rows_BT=None):
         return jnp.zeros_like(q_BTNH)
 
 

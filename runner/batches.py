@@ -26,10 +26,13 @@ def stop_ids(request: Request, eos_token: int) -> list[int]:
     return eos + sorted(set(request.stop_token_ids) - set(eos))
 
 
-def prefill_row(batch: PrefillBatch, i: int, row: PrefillRow, eos_token: int) -> None:
-    """Write ``row`` (a chunk of one request) as row ``i`` of the host arrays of ``batch``."""
+def prefill_row(batch: PrefillBatch, i: int, row: PrefillRow, eos_token: int, offset: int) -> None:
+    """Write ``row`` (a chunk of one request) as row ``i`` of the host arrays of ``batch``, its
+    tokens packed at ``offset``."""
     s = row.sequence
-    batch.tokens[i, : row.length] = s.ids[row.start: row.start + row.length]
+    chunk = slice(offset, offset + row.length)
+    batch.tokens[chunk] = s.ids[row.start: row.start + row.length]
+    batch.row[chunk], batch.offset[i] = i, offset
     batch.lengths[i] = row.length
     batch.first[i] = row.start == s.cached  # its first chunk
     if batch.first[i] and s.cached:
@@ -38,7 +41,7 @@ def prefill_row(batch: PrefillBatch, i: int, row: PrefillRow, eos_token: int) ->
     batch.last[i] = row.start + row.length == len(s.ids)
     # position j predicts prompt token j + 1: what a scoring prefill scores (the last predicts none)
     targets = s.ids[row.start + 1: row.start + row.length + 1]
-    batch.targets[i, : len(targets)] = targets
+    batch.targets[offset: offset + len(targets)] = targets
     request_row(batch, i, s, eos_token)
 
 
@@ -62,18 +65,19 @@ def request_row(batch: PrefillBatch, i: int, sequence: RequestState, eos_token: 
 
 def empty_batch(rows: int, bucket: int, batch_size: int, blocks: int = 0, pool_blocks: int = 0, *,
                 vocab_size: int) -> PrefillBatch:
-    """A prefill batch of padding rows only (slot = batch size), as host arrays; its prefix cache
-    tables have ``blocks`` columns and name no block (``pool_blocks``: the pool's size); its masks
-    ``ceil(vocab_size / 32)`` words, all off."""
+    """A prefill batch of ``rows`` padding rows (slot = batch size) and ``bucket`` padding tokens,
+    as host arrays; its prefix cache tables have ``blocks`` columns and name no block
+    (``pool_blocks``: the pool's size); its masks ``ceil(vocab_size / 32)`` words, all off."""
     return PrefillBatch(
-        slots=np.full((rows,), batch_size, np.int32), tokens=np.zeros((rows, bucket), np.int32),
+        slots=np.full((rows,), batch_size, np.int32), tokens=np.zeros((bucket,), np.int32),
+        row=np.full((bucket,), rows, np.int32), offset=np.zeros((rows,), np.int32),
         lengths=np.zeros((rows,), np.int32), first=np.zeros((rows,), bool), last=np.zeros((rows,), bool),
         settings=SampleSettings.host(rows), seed=np.zeros((rows, 2), np.uint32),
         max_len=np.ones((rows,), np.int32), min_tokens=np.zeros((rows,), np.int32),
         speculative=np.zeros((rows,), np.int32),
         stop_ids=np.full((rows, MAX_STOP_IDS), -1, np.int32),
         mask=np.zeros((rows, -(-vocab_size // 32)), np.uint32), masked=np.zeros((rows,), bool),
-        targets=np.full((rows, bucket), -1, np.int32), cached=np.zeros((rows,), np.int32),
+        targets=np.full((bucket,), -1, np.int32), cached=np.zeros((rows,), np.int32),
         read=np.zeros((rows, blocks), np.int32), save=np.full((rows, blocks), pool_blocks, np.int32))
 
 

@@ -20,7 +20,7 @@ from runner.runner import InferenceRunner
 
 @dataclasses.dataclass(frozen=True)
 class Steps:
-    """The variants a server compiles: prefills ``(rows, bucket, KV length, score)``, decodes
+    """The variants a server compiles: prefills ``(rows, bucket, score)``, decodes
     ``(KV length, steps, speculative)``, and the fork and the release (one each)."""
 
     prefills: list
@@ -33,7 +33,7 @@ class Steps:
         return len(self.prefills) + len(self.decodes) + 2
 
     def describe(self) -> str:
-        scored = sum(1 for p in self.prefills if p[3])
+        scored = sum(1 for p in self.prefills if p[-1])
         return (f"{self.count} steps: {len(self.prefills)} prefill ({scored} of them scoring prompts), "
                 f"{len(self.decodes)} decode, a fork and a release; prompt buckets "
                 f"{','.join(map(str, self.pad_sizes))}, KV buckets {','.join(map(str, self.kv_buckets))}")
@@ -77,7 +77,7 @@ def estimate(config: ModelConfig, params, plan: Steps, batch_size: int, kv_dtype
     the cost of a first start; an accelerator compiles at another speed than this machine."""
     mesh = jax.sharding.Mesh([[jax.devices()[0]]], ("data", "model"))
     executor = Executor.abstract(config, params, mesh, batch_size, kv_dtype=kv_dtype)
-    largest_prefill = max(plan.prefills, key=lambda p: (p[0] * p[1], p[2], p[3]))
+    largest_prefill = max(plan.prefills, key=lambda p: (p[0] * p[1], p[2]))
     largest_decode = max(plan.decodes, key=lambda d: (d[0], d[1], d[2]))
     seconds = {}
     for key, _, lower in executor.variants([largest_prefill], [largest_decode]):

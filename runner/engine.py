@@ -290,10 +290,11 @@ class Engine:
         """The plan's prefill call, then its forks. A request whose row cannot be made (its
         detokenizer, a host-side bug) ends alone, its row left as padding."""
         batch = self.executor.empty_batch(plan.rows, plan.bucket)
-        rows = {}
+        rows, offset = {}, 0
         for i, row in enumerate(plan.prefill):
+            offset, at = offset + row.length, offset
             try:
-                self._make_row(batch, i, row)
+                self._make_row(batch, i, row, at)
             except Exception as e:
                 self.scheduler.row_dropped(batch.save[i])
                 padding = self.executor.empty_batch(1, 1)
@@ -302,7 +303,7 @@ class Engine:
                 self._end_failed(row.sequence, 0, e, release=False)
                 continue
             rows[i] = row.sequence
-        out, logits, scores = self.executor.prefill_memory(batch, plan.prefill_kv_len, plan.score)
+        out, logits, scores = self.executor.prefill_memory(batch, plan.score)
         self.scheduler.prefill_dispatched()  # the blocks it writes: later calls may read them
         chunks = {i: (plan.prefill[i].start, plan.prefill[i].length) for i in rows}
         sampled = [s for i, s in rows.items() if batch.masked[i]]  # a request's first token is its row's sample
@@ -327,12 +328,13 @@ class Engine:
             out = self.executor.fork(logits, fork.row, leader.slot, one)
             self._in_flight.append(Call(out, {0: sequence}, [sequence] if one.masked[0] else []))
 
-    def _make_row(self, batch, i: int, row: PrefillRow) -> None:
-        """Row ``i`` of ``batch``: ``row``'s chunk, its first mask, and the prefix blocks it saves."""
+    def _make_row(self, batch, i: int, row: PrefillRow, offset: int) -> None:
+        """Row ``i`` of ``batch`` (its tokens packed at ``offset``): ``row``'s chunk, its first mask,
+        and the prefix blocks it saves."""
         first = row.start == row.sequence.cached
         if first:
             self.outputs.start(row.sequence)
-        prefill_row(batch, i, row, self.outputs.eos_token)
+        prefill_row(batch, i, row, self.outputs.eos_token, offset)
         self.outputs.first_mask(batch, i, row.sequence)
         for block, index in self.scheduler.saves(row):  # last: nothing can fail after it
             batch.save[i, block] = index
@@ -439,9 +441,9 @@ class Engine:
 
 
 def serving_variants(scheduler, score_prompts: bool) -> tuple[list, list]:
-    """The prefill shapes ``(rows, bucket, KV length, score)`` and decode calls ``(KV length,
-    steps, speculative)`` ``scheduler`` can ask an executor for: what a server compiles before it
-    serves (and ``grok-runner plan`` counts, from the same scheduler)."""
+    """The prefill calls ``(rows, bucket, score)`` and decode calls ``(KV length, steps,
+    speculative)`` ``scheduler`` can ask an executor for: what a server compiles before it serves
+    (and ``grok-runner plan`` counts, from the same scheduler)."""
     prefills = [shape + (False,) for shape in sorted(scheduler.prefill_shapes())]
     if score_prompts:
         prefills += [shape + (True,) for shape in sorted(scheduler.prefill_shapes(score=True))]

@@ -7,9 +7,9 @@ call per operation, each named once, as the reference runner names them where it
 - ``forward(params, tokens, lengths)`` -> logits of whole sequences (scoring, tests, parity);
 - ``new_memory()`` -> a zeroed ``KVMemory`` with its sharding (batch over ``data``, KV heads over
   ``model``);
-- ``prefill_memory(batch, kv_len, score)``: the prompt chunks of several requests into their slots,
+- ``prefill_memory(batch, score)``: the prompt chunks of several requests into their slots,
   each last chunk's first token sampled (``runner.steps.prefill``); a variant per (rows, bucket,
-  KV length, score);
+  score), the chunks packed into one row of the bucket's tokens;
 - ``sample_step(kv_len, steps, mask, speculative)``: ``steps`` decode steps of every slot
   (``runner.steps.decode``); a variant per KV length (the count of steps a dynamic argument up to
   the most compiled), and per (KV length, steps) of a speculative call;
@@ -226,8 +226,8 @@ class Executor:
         self.new_memory = jax.jit(lambda: new_memory(config, b, dtype=self.kv_dtype), out_shardings=state_sh.memory)
         # One jitted function per static setting, each with explicit shardings (a prefill's is also
         # compiled per shape of its batch); ``compile`` builds every variant before serving.
-        self._prefill = _PerStatic(lambda kv_len, score=False: jax.jit(
-            functools.partial(prefill, apply, backend, kv_len=kv_len, score=score),
+        self._prefill = _PerStatic(lambda score=False: jax.jit(
+            functools.partial(prefill, apply, backend, score=score),
             in_shardings=(params_sh, state_sh, rows),
             out_shardings=(state_sh, step_out_sh, replicated, replicated), donate_argnums=1))
         spec_out_sh = DecodeOutput(out_sh, replicated, replicated, replicated, replicated, replicated)
@@ -246,10 +246,10 @@ class Executor:
         self._state_shardings = state_sh
 
     # ---- the calls that change the state (dispatched, never waited for) -------------------------
-    def prefill_memory(self, batch: PrefillBatch, kv_len: int, score: bool = False):
+    def prefill_memory(self, batch: PrefillBatch, score: bool = False):
         """One prefill call (``runner.steps.prefill``): the sampled tokens, each row's last logits
         (left on the device for ``fork``) and, with ``score``, its positions' ``PromptScores``."""
-        step = self._ready(("prefill", *batch.tokens.shape, kv_len, score), self._prefill_variant)
+        step = self._ready(("prefill", batch.slots.shape[0], batch.tokens.shape[0], score), self._prefill_variant)
         self.state, out, logits, scores = step(self.params, self.state, batch)
         return out, logits, scores
 
@@ -315,8 +315,8 @@ class Executor:
             pool=placed_zeros(jax.eval_shape(self._new_pool), sh.pool) if self.prefix_blocks else None)
 
     # ---- warm-up -------------------------------------------------------------------------------
-    def variants(self, prefills: list[tuple[int, int, int, bool]], decodes: list[tuple[int, int, int]]):
-        """``(key, name, lower)`` of each variant: a prefill per (rows, bucket, KV length, score) of
+    def variants(self, prefills: list[tuple[int, int, bool]], decodes: list[tuple[int, int, int]]):
+        """``(key, name, lower)`` of each variant: a prefill per (rows, bucket, score) of
         ``prefills``, a decode per (KV length, steps, speculative) of ``decodes``, a fork and a
         release; ``lower()`` traces and lowers it (``jax.stages.Lowered``)."""
         out = [self._prefill_variant(*prefill) for prefill in prefills]
@@ -331,11 +331,10 @@ class Executor:
         out.append((("release",), "release", lambda: self._release.lower(self.state, np.int32(0))))
         return out
 
-    def _prefill_variant(self, rows: int, bucket: int, kv: int, score: bool):
+    def _prefill_variant(self, rows: int, bucket: int, score: bool):
         def lower():
-            return self._prefill.variant(kv_len=kv, score=score).lower(self.params, self.state,
-                                                                       self.empty_batch(rows, bucket))
-        return ("prefill", rows, bucket, kv, score), f"prefill rows={rows} bucket={bucket} kv={kv} score={score}", lower
+            return self._prefill.variant(score=score).lower(self.params, self.state, self.empty_batch(rows, bucket))
+        return ("prefill", rows, bucket, score), f"prefill rows={rows} bucket={bucket} score={score}", lower
 
     def _decode_variant(self, kv: int, steps: int, speculative: int):
         def lower():
@@ -367,7 +366,7 @@ class Executor:
             self._executables[key] = step
         return step
 
-    def compile(self, prefills: list[tuple[int, int, int, bool]], decodes: list[tuple[int, int, int]],
+    def compile(self, prefills: list[tuple[int, int, bool]], decodes: list[tuple[int, int, int]],
                 store=None, startup=None) -> dict:
         """At start: make every variant a serving engine can call ready (``variants``), so serving
         never compiles or traces: each is loaded from ``store`` (``runner.executables``) where

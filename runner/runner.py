@@ -19,6 +19,7 @@ names); ``initialize()`` attaches the ready ``Engine`` once."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Iterable, Optional, Sequence
 
@@ -36,6 +37,8 @@ from runner.scheduler import Scheduler, chunk_lengths
 from runner.startup import Startup
 from runner.state import MAX_STOP_IDS
 from tokenization import Tokenizer, load_tokenizer
+
+log = logging.getLogger("grok_runner")
 
 # Tokens a round may compute (prompt chunks + one per decoding slot) unless the runner is told
 # otherwise: large enough that a chunk's time goes to its tokens, not to reading the weights;
@@ -202,10 +205,13 @@ class InferenceRunner:
             raise ValueError(f"pad_sizes must be positive integers <= sequence_len ({s}), got {self.pad_sizes!r}")
         return tuple(sorted(set(int(p) for p in sizes)))
 
-    def _scheduler(self, config, batch_size: int, prefix: Optional[PrefixCache] = None) -> Scheduler:
+    def _scheduler(self, config, batch_size: int, prefix: Optional[PrefixCache] = None,
+                   kv_buckets: Optional[tuple[int, ...]] = None) -> Scheduler:
         """The scheduler of these settings for ``config`` in ``batch_size`` slots: a server's, and
-        what ``runner.compiled`` counts a server's compiled steps from."""
-        return Scheduler(batch_size, self._check_pad_sizes(config.sequence_len), default_kv_buckets(config.sequence_len),
+        what ``runner.compiled`` counts a server's compiled steps from. ``kv_buckets``: the KV
+        lengths a decode call attends over (default: ``default_kv_buckets``)."""
+        kv_buckets = kv_buckets or default_kv_buckets(config.sequence_len)
+        return Scheduler(batch_size, self._check_pad_sizes(config.sequence_len), kv_buckets,
                          config.sequence_len, self.max_num_batched_tokens, self.decode_steps, prefix,
                          speculative=self.speculative)
 
@@ -416,7 +422,13 @@ def _build_engine(spec: InferenceRunner, startup: Startup, abstract: bool = Fals
     if tokenizer is not None and tokenizer.vocab_size != config.vocab_size:
         raise ValueError(f"tokenizer {path} has {tokenizer.vocab_size} pieces but the model's "
                          f"vocab_size is {config.vocab_size}")
-    scheduler = spec._scheduler(config, executor.batch_size, prefix)
+    # A decode step whose attention reads the live positions alone costs the same over the whole
+    # cache: one decode variant, not one a KV bucket (fewer steps to compile or load at start).
+    live = executor.selection.backend.decode_reads_live_keys(config)
+    if live:
+        log.info("decode steps attend over one KV length (%d): the backend's attention reads the live "
+                 "positions only", config.sequence_len)
+    scheduler = spec._scheduler(config, executor.batch_size, prefix, (config.sequence_len,) if live else None)
     outputs = OutputProcessor(tokenizer, config.eos_token, spec.grammar_of)
     return Engine(scheduler, executor, outputs, spec.prepare)
 

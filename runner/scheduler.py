@@ -2,13 +2,14 @@
 cache's index: nothing else changes it), and the plan of each round.
 
 Each round the engine asks for a ``RoundPlan`` and runs it: at most one prefill call, whose
-rows are prompt chunks of several requests (a row per request, all padded to one bucket), then
+rows are prompt chunks of several requests (a row per request, packed into one row of tokens
+padded to a bucket), then
 one decode call that advances every decoding slot by ``decode_steps`` tokens (by one beside a
 prefill, so that a round stays about one budget's worth of prefill long; by twice as many while
 every slot is taken, when no new request could start sooner anyway). The plan keeps
 under a token budget (``max_num_batched_tokens``, vLLM's name): the decoding slots count one token
-each, and prompt chunks are added, oldest request first, where the real tokens fit in what is
-left and the call's padded size (rows x bucket) fits in the budget too. The first chunk of a
+each, and prompt chunks are added, oldest request first, where their tokens fit in what is
+left and in the largest bucket. The first chunk of a
 round is always taken, so a prompt never waits behind the budget; a round therefore holds the
 running streams for at most one budget's worth of prefill.
 
@@ -148,17 +149,15 @@ class Fork:
 
 @dataclasses.dataclass
 class RoundPlan:
-    """What one round computes: prefill rows (one call, ``rows`` x ``bucket`` tokens, attending
-    over ``prefill_kv_len`` positions, scoring every position with ``score``) and the forks of
-    its last chunks, then ``decode`` slots (one call of ``decode_steps`` steps over
-    ``decode_kv_len`` positions)."""
+    """What one round computes: prefill rows (one call of ``rows`` rows, their chunks packed into
+    ``bucket`` tokens, scoring every position with ``score``) and the forks of its last chunks,
+    then ``decode`` slots (one call of ``decode_steps`` steps over ``decode_kv_len`` positions)."""
 
     prefill: list[PrefillRow]
     forks: list[Fork] = dataclasses.field(default_factory=list)
     score: bool = False
     rows: int = 0
     bucket: int = 0
-    prefill_kv_len: int = 0
     decode: list[RequestState] = dataclasses.field(default_factory=list)
     decode_kv_len: int = 0
     decode_steps: int = 0
@@ -167,16 +166,6 @@ class RoundPlan:
     decode_speculative: int = 0
     decode_bounds: dict = dataclasses.field(default_factory=dict)
     decode_call: int = 0  # decode calls planned before this one
-
-
-def row_buckets(batch_size: int) -> tuple[int, ...]:
-    """Row counts a prefill call is padded to: powers of two below the batch size, and it (a
-    padding row reaches no expert, so it costs a fraction of a real one)."""
-    sizes, n = [], 1
-    while n < batch_size:
-        sizes.append(n)
-        n *= 2
-    return tuple(sizes) + (batch_size,)
 
 
 class Scheduler:
@@ -195,15 +184,12 @@ class Scheduler:
         self.pool_blocks = prefix.num_blocks if prefix is not None else 0
         self.kv_buckets, self.budget, self.decode_steps = kv_buckets, budget, decode_steps
         self.chunk_sizes = tuple(s for s in pad_sizes if s <= budget) or pad_sizes[:1]
-        # Fewer compiled variants where padding costs little (every variant is compiled, or
-        # loaded, at start: BENCHMARKS.md, "Start-up"). A prefill attends over every other KV
-        # bucket from the top: on the bench config attending 2,048 positions instead of 64 to
-        # 1,024 cost a 16-token call 42 -> 54 ms and a full 512-token one 3%, while a decode step,
-        # which reads the KV at every token, keeps every bucket. A scored chunk (one row, every
-        # position unembedded) is padded to every other bucket from the largest, over the top KV.
-        self.prefill_kv_buckets = every_other_from_top(kv_buckets)
+        # A prefill call packs its rows' chunks into one row of tokens padded to a chunk size,
+        # each token attending to its own slot's positions up to its own: a variant a bucket,
+        # whatever the rows or their positions (every variant is compiled, or loaded, at start:
+        # BENCHMARKS.md, "Start-up"). A scored chunk (one row, every position unembedded) is
+        # padded to every other bucket from the largest.
         self.score_sizes = every_other_from_top(self.chunk_sizes)
-        self.row_buckets = row_buckets(batch_size)
         self.waiting: collections.deque[RequestState] = collections.deque()
         self.slots: list[Optional[RequestState]] = [None] * batch_size
         self._admitted: list[RequestState] = []  # in slots and still prefilling, oldest first
@@ -254,31 +240,27 @@ class Scheduler:
 
     def _plan_prefill(self) -> RoundPlan:
         decoding = [s for s in self.slots if s is not None and s.decoding]
-        left = self.budget - len(decoding)
+        left = min(self.budget - len(decoding), self.chunk_sizes[-1])
         rows: list[PrefillRow] = []
-        bucket = 0
+        total = 0
         for sequence in self._candidates():
             if sequence.slot is None and self._leader_of(sequence, [r.sequence for r in rows]):
                 continue  # it will copy the leader's prompt when the leader's last chunk is computed
             hit = self._cached_prefix(sequence) if sequence.slot is None else None
             length = hit[1][0] if hit else sequence.chunks[sequence.chunks_done]
-            grown = max(bucket, smallest_at_least(self.chunk_sizes, length))
-            if rows and (sequence.scored or length > left
-                         or grown * smallest_at_least(self.row_buckets, len(rows) + 1) > self.budget):
+            if rows and (sequence.scored or length > left):
                 continue  # the oldest first; a later one that fits may join (the oldest left out leads soon)
             if sequence.slot is None:
                 self._admit(sequence, hit)
             rows.append(PrefillRow(sequence, sequence.prefilled, length))
             left -= length
-            bucket = grown
+            total += length
             if sequence.scored:
                 break  # a scored chunk is a call of its own: one row, every position unembedded
         plan = RoundPlan(rows, score=bool(rows) and rows[0].sequence.scored)
         if rows:
-            plan.rows = smallest_at_least(self.row_buckets, len(rows))
-            plan.bucket = smallest_at_least(self.score_sizes, bucket) if plan.score else bucket
-            plan.prefill_kv_len = (self.kv_buckets[-1] if plan.score else smallest_at_least(
-                self.prefill_kv_buckets, max(r.start + r.length for r in rows)))
+            plan.rows = self.batch_size
+            plan.bucket = smallest_at_least(self.score_sizes if plan.score else self.chunk_sizes, total)
             for i, row in enumerate(rows):
                 row.sequence.chunks_done += 1
                 row.sequence.prefilled += row.length
@@ -430,22 +412,10 @@ class Scheduler:
         """Every number of steps a decode call of ``schedule`` can take."""
         return {1, self.decode_steps, 2 * self.decode_steps}
 
-    def prefill_shapes(self, score: bool = False) -> set[tuple[int, int, int]]:
-        """Every (rows, bucket, KV length) a prefill call of ``schedule`` can have: a call's padded
-        size fits the budget (or it is one row), and its KV length covers a chunk of its bucket.
-        With ``score``, those of a scoring call (always one row)."""
-        if score:
-            return {(1, t, self.kv_buckets[-1]) for t in self.score_sizes}
-        shapes = set()
-        for i, t in enumerate(self.chunk_sizes):
-            shortest = self.chunk_sizes[i - 1] + 1 if i else 1  # the longest chunk of a call of bucket t
-            for kv in self.prefill_kv_buckets:
-                if kv < smallest_at_least(self.prefill_kv_buckets, shortest):
-                    continue
-                for p in self.row_buckets:
-                    if p == 1 or p * t <= self.budget:
-                        shapes.add((p, t, kv))
-        return shapes
+    def prefill_shapes(self, score: bool = False) -> set[tuple[int, int]]:
+        """Every (rows, bucket) a prefill call of ``schedule`` can have: the batch's rows, its chunks
+        packed into a chunk size. With ``score``, those of a scoring call (one real row)."""
+        return {(self.batch_size, t) for t in (self.score_sizes if score else self.chunk_sizes)}
 
 
 def _copies(sequence: RequestState, leader: RequestState) -> bool:

@@ -28,12 +28,15 @@ MAX_STOP_IDS = 8  # EOS plus up to 7 stop tokens per request
 @flax.struct.dataclass
 class PrefillBatch:
     """Prompt chunks of up to ``P`` requests, one row each, computed in one call: the arrays of a
-    prefill call, as one pytree (so its sharding is a pytree too). ``tokens [P, T]`` are the
-    chunks, each padded to the call's bucket ``T``. A row whose slot is the batch size is padding:
-    nothing is read for it and nothing it computes is written."""
+    prefill call, as one pytree (so its sharding is a pytree too). The chunks are packed into one
+    row of ``T`` tokens (the call's bucket), row p's at ``tokens[offset[p]: offset[p] +
+    lengths[p]]``, so a call's shape is its bucket alone, whatever its rows. A row whose slot is
+    the batch size is padding: nothing is read for it and nothing it computes is written."""
 
     slots: jax.Array  # [P] int32: the batch row each chunk goes to (batch size = padding)
-    tokens: jax.Array  # [P, T] int32
+    tokens: jax.Array  # [T] int32: the rows' chunks, packed
+    row: jax.Array  # [T] int32: the row each token belongs to (P = padding)
+    offset: jax.Array  # [P] int32: where each row's chunk starts in ``tokens``
     lengths: jax.Array  # [P] int32: real tokens in each chunk
     first: jax.Array  # [P] bool: the request's first chunk (its row starts at step 0)
     last: jax.Array  # [P] bool: the request's last chunk (its first token is sampled; it starts decoding)
@@ -46,7 +49,7 @@ class PrefillBatch:
     # its first token's allowed-token bitmask (``Constraints.mask``), where ``masked``
     mask: jax.Array  # [P, ceil(V / 32)] uint32
     masked: jax.Array  # [P] bool
-    # [P, T] int32: the prompt token after each position, which a scoring prefill scores (-1: none)
+    # [T] int32: the prompt token after each packed position, which a scoring prefill scores (-1: none)
     targets: jax.Array
     # The prefix cache (``runner.prefix_cache``), with blocks of ``block`` positions; ``NB`` =
     # ``sequence_len // block``. A first chunk whose prompt starts with cached blocks starts at
@@ -146,20 +149,17 @@ class DecodeState:
             counts=self.counts.at[at, token].add(1, mode="drop"),  # its rows were zeroed (``with_prompts``)
         )
 
-    def with_prompts(self, batch: PrefillBatch, starts) -> "DecodeState":
-        """The state with the token history of ``batch``'s rows, whose chunks start at positions
-        ``starts [P]``: a first chunk's row starts with none, then every chunk's prompt tokens are
-        marked seen and written at their positions."""
+    def with_prompts(self, batch: PrefillBatch, slots_T, positions_T) -> "DecodeState":
+        """The state with the token history of ``batch``'s rows: a first chunk's row starts with
+        none, then every packed prompt token is marked seen in its slot ``slots_T`` (the batch
+        size: padding) and written at its position ``positions_T``."""
         b, v = self.seen.shape
         fresh = jnp.where(batch.first, batch.slots, b)
         seen = self.seen.at[fresh].set(False, mode="drop")
         counts = self.counts.at[fresh].set(0, mode="drop")
         history = self.history.at[fresh].set(-1, mode="drop")
-        t = batch.tokens.shape[1]
-        real = jnp.arange(t)[None, :] < batch.lengths[:, None]
-        rows = jnp.where(real, batch.slots[:, None], b)
-        return self.replace(seen=seen.at[rows, batch.tokens].set(True, mode="drop"), counts=counts,
-                            history=history.at[rows, starts[:, None] + jnp.arange(t)].set(batch.tokens, mode="drop"))
+        return self.replace(seen=seen.at[slots_T, batch.tokens].set(True, mode="drop"), counts=counts,
+                            history=history.at[slots_T, positions_T].set(batch.tokens, mode="drop"))
 
     def constraints(self, mask: "TokenMask") -> Constraints:
         """Every row's ``Constraints`` for its next token: its history, its stop ids banned while

@@ -20,47 +20,42 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from model.memory import KVMemory, set_at
+from model.memory import KVMemory
 from runner.sampling import Constraints, sample_token, score_positions
 from runner.speculative import count_down, ready_to_draft, speculate
 from runner.state import DecodeOutput, DecodeState, PrefillBatch, PrefixPool, TokenMask, ends
 
 
-def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_len: int, score: bool = False):
-    """The prompt chunks of ``batch`` (``P`` rows, one request each, in distinct slots) into their
-    slots of ``state``, and the first token of each request whose last chunk it is sampled; the
-    rows attend to (and are copied in and out over) the first ``kv_len`` cache positions only.
-    With ``score`` (static) every position is unembedded and scored against ``batch.targets``
-    (``PromptScores``, else None): prompt log-probabilities, as part of the prefill.
-    ``apply(variables, tokens, memory, lengths, last_only, kv_len)`` is the model; ``sampler`` the
-    backend that ``sample_token`` cuts and summarises on. Pure: jitted with ``state`` donated."""
+def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, score: bool = False):
+    """The prompt chunks of ``batch`` (``P`` rows, one request each, in distinct slots, packed into
+    one row of tokens) into their slots of ``state``, in place, and the first token of each request
+    whose last chunk it is sampled. A token attends to its own slot's positions up to its own (the
+    attention reads no more: ``model.transformer.LanguageModel``), so one compiled call a bucket
+    serves chunks of any rows and lengths. With ``score`` (static) every position is unembedded and
+    scored against ``batch.targets`` (``PromptScores``, else None): prompt log-probabilities, as
+    part of the prefill. ``apply`` is the model; ``sampler`` the backend that ``sample_token`` cuts
+    and summarises on. Pure: jitted with ``state`` donated."""
     memory, b = state.memory, state.tokens.shape[0]
-    slots = batch.slots  # b for a padding row: read as zeros, written nowhere
-
-    def rows(full):  # [L, P, K, kv_len, H]
-        return jnp.take(full[:, :, :, :kv_len], slots, axis=1, mode="fill", fill_value=0)
-
+    slots, p = batch.slots, batch.slots.shape[0]  # b for a padding row: read as zeros, written nowhere
     step = jnp.take(memory.step, slots, mode="fill", fill_value=0)
-    k, v = jax.tree_util.tree_map(rows, (memory.k, memory.v))  # arrays, or int8 records (QuantizedKV)
-    if state.pool is not None:  # a first chunk after a cached prefix starts from its blocks
-        k, v = read_prefix(state.pool, batch, k, v, kv_len)
     starts = jnp.where(batch.first, batch.cached, step)
-    sub = KVMemory(k=k, v=v, step=starts)
-    out = apply({"params": params}, batch.tokens, sub, batch.lengths, not score, kv_len)
+    slots_T = jnp.take(slots, batch.row, mode="fill", fill_value=b)
+    positions_T = (jnp.take(starts, batch.row, mode="fill", fill_value=0) + jnp.arange(batch.tokens.shape[0])
+                   - jnp.take(batch.offset, batch.row, mode="fill", fill_value=0))
+    if state.pool is not None:  # a first chunk after a cached prefix starts from its blocks
+        memory = read_prefix(state.pool, batch, memory)
+    last_P = batch.offset + jnp.maximum(batch.lengths - 1, 0)
+    out = apply({"params": params}, batch.tokens[None], memory, None, False, None, slots_T[None], positions_T[None],
+                None if score else last_P)
+    memory = out.memory.replace(step=memory.step.at[slots].set(starts + batch.lengths, mode="drop"))
     if state.pool is not None:
-        state = state.replace(pool=save_prefix(state.pool, batch, out.memory, kv_len))
+        state = state.replace(pool=save_prefix(state.pool, batch, memory))
     if score:
-        scores = score_positions(out.logits, batch.targets, sampler)
-        logits = jnp.take_along_axis(out.logits, jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+        scores = score_positions(out.logits, batch.targets[None], sampler)
+        logits = out.logits[0, last_P]
     else:
-        scores, logits = None, out.logits[:, -1]
-
-    def put(full, new):
-        return set_at(full, (slice(None), slots, slice(None), slice(None, kv_len)), new)
-
-    k, v = jax.tree_util.tree_map(put, (memory.k, memory.v), (out.memory.k, out.memory.v))
-    memory = KVMemory(k=k, v=v, step=memory.step.at[slots].set(out.memory.step, mode="drop"))
-    state = state.with_prompts(batch, starts)
+        scores, logits = None, out.logits[0]
+    state = state.with_prompts(batch, slots_T, positions_T)
     keys, sample_keys = _seeded(batch)
     # Only a request's last chunk samples: a call of middle chunks never draws or summarises.
     # (The logits are also returned: a request with the same prompt forks from them, ``fork``.)
@@ -74,39 +69,52 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, kv_
     return state, output, logits_BV, scores
 
 
-def read_prefix(pool: PrefixPool, batch: PrefillBatch, k_rows, v_rows, kv_len: int):
-    """The rows' caches ``[L, P, K, kv_len, H]`` with positions ``[0, batch.cached)`` of each row
-    taken from its pool blocks ``batch.read`` (a copy: the row never refers to the pool again).
-    Skipped when no row starts from a cached prefix."""
-    nb = kv_len // pool.block_size
-    blocks = batch.read[:, :nb]
-    hit_PS = jnp.arange(kv_len)[None, :] < batch.cached[:, None]
+def _each_block(batch: PrefillBatch, body, carry, first_P, count_P):
+    """``body(p, j, carry)`` for blocks ``[first_P[p], first_P[p] + count_P[p])`` of each row p (a
+    loop on the device: a call touches only the blocks it reads or saves)."""
+    def row(p, carry):
+        return jax.lax.fori_loop(first_P[p], first_P[p] + count_P[p], lambda j, c: body(p, j, c), carry)
 
-    def one(pool_LNKbH, rows_LPKSH):
-        got = pool_LNKbH[:, blocks]  # [L, P, nb, K, b, H]
-        layers, p, _, k, size, h = got.shape
-        got_LPKSH = got.transpose(0, 1, 3, 2, 4, 5).reshape(layers, p, k, nb * size, h)
-        return jnp.where(hit_PS[None, :, None, :, None], got_LPKSH.astype(rows_LPKSH.dtype), rows_LPKSH)
-
-    def read():
-        return jax.tree_util.tree_map(one, (pool.k, pool.v), (k_rows, v_rows))
-
-    return jax.lax.cond(jnp.any(batch.cached > 0), read, lambda: (k_rows, v_rows))
+    return jax.lax.fori_loop(0, batch.slots.shape[0], row, carry)
 
 
-def save_prefix(pool: PrefixPool, batch: PrefillBatch, rows: KVMemory, kv_len: int) -> PrefixPool:
-    """``pool`` with block j of each row's cache (``rows``: ``[L, P, K, kv_len, H]``, as the call
-    left it) written to pool block ``batch.save[p, j]`` where that is a block (the rest is
-    dropped). The call reads the pool (``read_prefix``) before it writes it."""
-    nb = kv_len // pool.block_size
-    to = batch.save[:, :nb].reshape(-1)
+def read_prefix(pool: PrefixPool, batch: PrefillBatch, memory: KVMemory) -> KVMemory:
+    """``memory`` with positions ``[0, batch.cached)`` of each row's slot copied from its pool blocks
+    ``batch.read``, in place (a copy: the slot never refers to the pool again). Block by block, for
+    the rows that start from a cached prefix only."""
+    size, b = pool.block_size, memory.batch_size
 
-    def one(pool_LNKbH, rows_LPKSH):
-        layers, p, k, _, h = rows_LPKSH.shape
-        blocks = rows_LPKSH.reshape(layers, p, k, nb, pool.block_size, h).transpose(0, 1, 3, 2, 4, 5)
-        return set_at(pool_LNKbH, (slice(None), to), blocks.reshape(layers, p * nb, k, pool.block_size, h))
+    def block(p, j, kv):
+        def put(full, blocks):  # [L, B, K, S, H] <- pool block [L, 1, K, size, H]
+            got = jax.lax.dynamic_slice_in_dim(blocks, batch.read[p, j], 1, axis=1)
+            return jax.lax.dynamic_update_slice(full, got.astype(full.dtype), (0, batch.slots[p], 0, j * size, 0))
 
-    k, v = jax.tree_util.tree_map(one, (pool.k, pool.v), (rows.k, rows.v))
+        return jax.tree_util.tree_map(put, kv, (pool.k, pool.v))
+
+    count = jnp.where(batch.slots < b, batch.cached // size, 0)
+    k, v = _each_block(batch, block, (memory.k, memory.v), jnp.zeros_like(count), count)
+    return memory.replace(k=k, v=v)
+
+
+def save_prefix(pool: PrefixPool, batch: PrefillBatch, memory: KVMemory) -> PrefixPool:
+    """``pool`` with block j of each row's slot (as the call left it) written to pool block
+    ``batch.save[p, j]`` where that is a block (the rest is dropped): a loop over each row's blocks
+    from its first saved to its last. The call reads the pool (``read_prefix``) before it writes it."""
+    size, b, none = pool.block_size, memory.batch_size, pool.num_blocks
+    saved = (batch.save < none) & (batch.slots < b)[:, None]  # [P, NB]
+    nb = saved.shape[1]
+    first = jnp.where(jnp.any(saved, axis=1), jnp.argmax(saved, axis=1), 0)
+    count = jnp.where(jnp.any(saved, axis=1), nb - jnp.argmax(saved[:, ::-1], axis=1) - first, 0)
+
+    def block(p, j, kv):
+        def put(blocks, full):  # pool [L, N, K, size, H] <- [L, 1, K, size, H] of the slot
+            got = jax.lax.dynamic_slice(full, (0, batch.slots[p], 0, j * size, 0),
+                                        (full.shape[0], 1, full.shape[2], size, full.shape[4]))
+            return jax.lax.dynamic_update_slice_in_dim(blocks, got.astype(blocks.dtype), batch.save[p, j], axis=1)
+
+        return jax.lax.cond(saved[p, j], lambda: jax.tree_util.tree_map(put, kv, (memory.k, memory.v)), lambda: kv)
+
+    k, v = _each_block(batch, block, (pool.k, pool.v), first, count)
     return PrefixPool(k=k, v=v)
 
 

@@ -379,3 +379,46 @@ def test_blocked_attention_equals_the_dense_one(queries):
     real = np.arange(t)[None, :] < length[:, None]
     np.testing.assert_allclose(blocked[real], dense[real], atol=1e-5)
     assert np.isfinite(blocked).all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_packed_prefill_equals_each_chunk_alone(tiny_params, name):
+    """Chunks of three requests packed into one row of tokens (rows_BT, positions_BT), padding
+    between and after them, write each slot's cache and give each chunk's last logits exactly as
+    the chunk computed alone in its own memory row: a first chunk, a second chunk after one already
+    in its slot, and a chunk long enough to take attention's blocked path."""
+    from model.transformer import LanguageModel
+
+    backend, used = arranged(tiny_params, name)
+    slots, s = 4, 2048
+    prompts = {2: random_tokens(40, (9,)), 0: random_tokens(41, (12,)), 3: random_tokens(42, (300,))}
+    earlier = {0: 5}  # slot 0's first 5 tokens are already in its cache; its chunk is the other 7
+    memory = new_memory(TINY, slots, s)
+    alone = {}
+    for slot, ids in prompts.items():
+        row = new_memory(TINY, 1, s)
+        start = earlier.get(slot, 0)
+        if start:
+            row = forward(used, ids[None, :start], TINY, memory=row, backend=backend).memory
+            memory = memory.replace(k=memory.k.at[:, slot].set(row.k[:, 0]), v=memory.v.at[:, slot].set(row.v[:, 0]),
+                                    step=memory.step.at[slot].set(start))
+        alone[slot] = forward(used, ids[None, start:], TINY, memory=row, backend=backend)
+    tokens, rows, positions, last = [], [], [], []
+    for slot, ids in prompts.items():
+        start = earlier.get(slot, 0)
+        tokens += list(ids[start:]) + [0] * 3  # padding between chunks
+        rows += [slot] * (len(ids) - start) + [slots] * 3
+        positions += list(range(start, len(ids))) + [0] * 3
+        last.append(len(tokens) - 4)
+    pad = 512 - len(tokens)
+    tokens, rows, positions = (np.array(x + [fill] * pad, np.int32)[None]
+                               for x, fill in ((tokens, 0), (rows, slots), (positions, 0)))
+    packed = jax.jit(lambda p, m: LanguageModel(TINY, backend).apply(
+        {"params": p}, tokens, m, None, False, None, rows, positions, np.array(last)))(used, memory)
+    for i, (slot, ids) in enumerate(prompts.items()):
+        np.testing.assert_allclose(np.asarray(packed.logits)[0, i], np.asarray(alone[slot].logits)[0, -1], atol=ATOL)
+        n = len(ids)
+        for got, want in ((packed.memory.k, alone[slot].memory.k), (packed.memory.v, alone[slot].memory.v)):
+            np.testing.assert_allclose(np.asarray(got)[:, slot, :, :n], np.asarray(want)[:, 0, :, :n], atol=ATOL)
+    untouched = np.asarray(packed.memory.k)[:, 1]
+    assert not untouched.any()  # slot 1 holds no chunk: nothing was written there

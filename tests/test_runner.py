@@ -376,10 +376,10 @@ def test_the_four_functions_are_usable_on_their_own(runner, params):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(forward(params, tokens, CONFIG, backend=XLA()).logits), atol=1e-5)
     state = engine.new_state()
     batch = empty_batch(2, 8, runner.num_slots, vocab_size=CONFIG.vocab_size)  # one request in slot 2, a padding row
-    batch.slots[0], batch.tokens[0], batch.lengths[0] = 2, tokens[0], 8
+    batch.slots[0], batch.tokens[:], batch.row[:], batch.lengths[0] = 2, tokens[0], 0, 8
     batch.first[0] = batch.last[0] = True
     batch.settings.temperature[0], batch.max_len[0], batch.stop_ids[0, 0] = 0, 3, CONFIG.eos_token
-    state, first, _, _ = engine._prefill(engine.params, state, batch, kv_len=64, score=False)
+    state, first, _, _ = engine._prefill(engine.params, state, batch, score=False)
     assert int(first.sample.token_id[0, 0]) == int(np.asarray(logits)[0, -1].argmax())
     assert np.asarray(first.valid).tolist() == [[True, False]]
     # a decode variant of 4 steps, asked for 1 (the count is an argument): its other rows are not valid

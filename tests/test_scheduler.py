@@ -50,7 +50,7 @@ def test_a_burst_of_prompts_is_prefilled_in_one_call():
     s = scheduler()
     seqs = submit(s, *([40] * 8))
     plan = s.schedule()
-    assert [r.sequence for r in plan.prefill] == seqs and (plan.rows, plan.bucket) == (8, 64)
+    assert [r.sequence for r in plan.prefill] == seqs and (plan.rows, plan.bucket) == (8, 512)  # 320 packed
     assert plan.decode == seqs  # each starts decoding in the same round, after its prefill
     assert [q.slot for q in seqs] == list(range(8)) and not s.waiting
 
@@ -62,11 +62,11 @@ def test_a_round_keeps_to_its_token_budget_oldest_first():
     plans, order = [], []
     while any(not q.decoding for q in (a, b, c)):
         plan = s.schedule()
-        assert (plan.rows, plan.bucket, plan.prefill_kv_len) in shapes
+        assert (plan.rows, plan.bucket) in shapes
         real = sum(r.length for r in plan.prefill) + len([q for q in s.running() if q.decoding and q not in
                                                           [r.sequence for r in plan.prefill]])
         assert len(plan.prefill) == 1 or real <= 512
-        assert len(plan.prefill) == 1 or plan.rows * plan.bucket <= 512
+        assert sum(r.length for r in plan.prefill) <= plan.bucket  # packed into one row of the bucket
         order.append([(r.sequence, r.start, r.length) for r in plan.prefill])
         plans.append(plan)
     # a's chunks are its own (cut from its prompt alone), in order; nobody overtakes a
@@ -75,8 +75,8 @@ def test_a_round_keeps_to_its_token_budget_oldest_first():
     assert [[(names[id(q)], n) for q, _, n in round_] for round_ in order] == [
         [("a", 512)],  # the whole budget
         [("a", 512)],
-        [("a", 32), ("b", 256)],  # 2 x 256 positions; c would make the call 4 x 256
-        [("b", 44), ("c", 20)]]  # beside a's first decode step
+        [("a", 32), ("b", 256), ("c", 20)],  # 308 tokens packed into 512
+        [("b", 44)]]  # beside a's and c's first decode steps
     assert a.computed == 1056 and b.prefilled == 300 and c.prefilled == 20
 
 
@@ -94,8 +94,8 @@ def test_the_kv_bucket_covers_every_row_in_flight():
     s = scheduler()
     (a,) = submit(s, 60)
     plan = s.schedule()
-    # a prefill attends over every other KV bucket from the top (256, 2048), a decode step over any
-    assert plan.prefill_kv_len == 256 and plan.decode_kv_len == 64 and plan.decode_steps == 1  # beside its prefill
+    # a prefill attends over its tokens' own positions (no bucket), a decode step over a KV bucket
+    assert plan.decode_kv_len == 64 and plan.decode_steps == 1  # beside its prefill
     plan = s.schedule()
     assert plan.decode_steps == 4 and plan.decode_kv_len == 256  # 61 + 4 positions
     assert a.dispatched == 65 and a.computed == 60

@@ -97,10 +97,10 @@ class CPU(XLA):
                                        w.shape[-1], dtype)
         return super().grouped_matmul(x_RK, w, sizes_E, dtype)
 
-    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None, layer=None):
+    def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None, layer=None, rows_BT=None):
         b, t, n, h = q_BTNH.shape
         kv_heads = k_BKSH.shape[-3]
-        if "attention" in self.on and t == 1 and ops.decode_attention_fits(n, kv_heads, h):
+        if "attention" in self.on and t == 1 and rows_BT is None and ops.decode_attention_fits(n, kv_heads, h):
             # a decode step read in place from the caches, the layer's of the stack too (XLA copies
             # the attended positions first, and dequantises an int8 cache into a float copy)
             q_BNH = q_BTNH[:, 0].astype(jnp.float32)
@@ -112,7 +112,12 @@ class CPU(XLA):
                 out_BNH = ops.decode_attention_int8(q_BNH, k_BKSH, v_BKSH, mask_BTS[:, 0], scale, cap, temperature_B,
                                                     layer)
                 return out_BNH[:, None].astype(q_BTNH.dtype)
-        return super().attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT, layer)
+        return super().attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT, layer, rows_BT)
+
+    def decode_reads_live_keys(self, config) -> bool:
+        # the decode kernel lists the allowed positions of each row and reads those alone
+        return "attention" in self.on and ops.decode_attention_fits(config.num_q_heads, config.num_kv_heads,
+                                                                    config.key_size)
 
     def write_kv(self, cache, layer, rows_BT, positions_BT, new_BTKH):
         if "attention" in self.on:
