@@ -90,6 +90,12 @@ def plan(argv, prog: str) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"a server of batch {args.batch_size} compiles {planned.describe()}")
+    if not args.speculative and len(planned.kv_buckets) > 1:
+        live = compiled.steps(config, args.batch_size, pad_sizes=args.pad_sizes,
+                              max_num_batched_tokens=args.max_num_batched_tokens, decode_steps=args.decode_steps,
+                              score_prompts=args.max_scored_tokens != 0, live_keys=True)
+        print(f"  ({live.count} on the CPU backend with its attention kernel, whose decode reads the live "
+              "positions only: one decode step for every KV length)")
     if args.compile_estimate:
         print(compiled.estimate(config, params, planned, args.batch_size, args.kv_dtype).describe())
     return 0

@@ -40,15 +40,17 @@ class Steps:
 
 
 def steps(config: ModelConfig, batch_size: int, *, pad_sizes=None, max_num_batched_tokens: int | None = None,
-          decode_steps: int = 2, speculative: int = 0, score_prompts: bool = False) -> Steps:
+          decode_steps: int = 2, speculative: int = 0, score_prompts: bool = False, live_keys: bool = False) -> Steps:
     """The steps a server of ``config`` with these ``InferenceRunner`` settings compiles at start
-    (``Engine.compile``), from the same checks and scheduler; ``ValueError`` naming a bad setting."""
+    (``Engine.compile``), from the same checks and scheduler; ``ValueError`` naming a bad setting.
+    ``live_keys``: on a backend whose decode attention reads the live positions alone
+    (``Backend.decode_reads_live_keys``), whose decode steps attend over one KV length."""
     fields = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
     spec = InferenceRunner(runner=ModelRunner(model=config), pad_sizes=pad_sizes, batch_size=batch_size,
                            decode_steps=decode_steps, speculative=speculative, score_prompts=score_prompts,
                            **fields)
     spec._check_fields()
-    scheduler = spec._scheduler(config, batch_size)
+    scheduler = spec._scheduler(config, batch_size, kv_buckets=(config.sequence_len,) if live_keys else None)
     prefills, decodes = serving_variants(scheduler, score_prompts)
     return Steps(prefills, decodes, scheduler.chunk_sizes, scheduler.kv_buckets)
 

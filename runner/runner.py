@@ -424,7 +424,8 @@ def _build_engine(spec: InferenceRunner, startup: Startup, abstract: bool = Fals
                          f"vocab_size is {config.vocab_size}")
     # A decode step whose attention reads the live positions alone costs the same over the whole
     # cache: one decode variant, not one a KV bucket (fewer steps to compile or load at start).
-    live = executor.selection.backend.decode_reads_live_keys(config)
+    # (A speculative step verifies several tokens a row, through XLA's attention: it keeps the buckets.)
+    live = not spec.speculative and executor.selection.backend.decode_reads_live_keys(config)
     if live:
         log.info("decode steps attend over one KV length (%d): the backend's attention reads the live "
                  "positions only", config.sequence_len)

@@ -520,3 +520,30 @@ def test_decode_attention_rejects_what_it_cannot_do():
     with pytest.raises(ValueError, match="head sizes up to 128"):
         panel.decode_attention(jnp.zeros((2, 8, 144)), jnp.zeros((2, 2, 16, 144)), jnp.zeros((2, 2, 16, 144)), mask,
                                1.0, 30.0)
+
+
+@needs_kernel
+def test_decode_on_the_attention_kernel_compiles_one_kv_length():
+    """The decode kernel reads each row's live positions alone, so a runner on it compiles one
+    decode variant over the whole cache, where XLA's attention keeps one a KV bucket; a
+    speculative runner (its verify steps attend through XLA) keeps the buckets too. Its tokens are
+    XLA's."""
+    from runner import InferenceRunner, Request
+    from runner.runner import default_kv_buckets
+
+    config = dataclasses.replace(TINY, sequence_len=300)  # KV buckets 64, 256, 300
+    params = init_params(config, jax.random.PRNGKey(0))
+
+    def started(backend, **fields):
+        return InferenceRunner(runner=ModelRunner(model=config, params=params, backend=backend), batch_size=2,
+                               **fields).initialize(warmup=False)
+
+    kernel, xla = started("cpu"), started("xla")
+    assert "attention" in kernel.engine.executor.selection.backend.on
+    assert [kv for kv, *_ in kernel.engine.variants(False)[1]] == [config.sequence_len]
+    buckets = default_kv_buckets(config.sequence_len)
+    assert len(buckets) > 1 and [kv for kv, *_ in xla.engine.variants(False)[1]] == list(buckets)
+    assert {kv for kv, *_ in started("cpu", speculative=2).engine.variants(False)[1]} == set(buckets)
+    requests = [Request(prompt=[5, 9, 13, 2] * (i + 1), max_len=70, temperature=0.0, ignore_eos=True,
+                        request_id=f"r{i}") for i in range(2)]
+    assert [c.token_ids for c in kernel.generate(requests)] == [c.token_ids for c in xla.generate(requests)]
