@@ -78,10 +78,10 @@ class XLA(Backend):
                                    sizes_E, w.shape[-1], dtype)
 
     def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None, layer=None, rows_BT=None):
+        if rows_BT is not None:  # reads the layer's keys block by block from the stack
+            return attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT, rows_BT, layer)
         if layer is not None:  # the layer's slice of the stack (fused into its reads on GPU and TPU)
             k_BKSH, v_BKSH = layer_of(k_BKSH, layer), layer_of(v_BKSH, layer)
-        if rows_BT is not None:
-            return attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT, rows_BT)
         return attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT)
 
     def sampling_cut(self, scaled_BV, top_k_B, nucleus_p_B):
@@ -152,30 +152,67 @@ def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperatu
     return attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT)
 
 
-def attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperature_BT, rows_BT):
+ROW_BLOCK = 16  # queries a block of a packed prefill's attention (the runner aligns each chunk to it)
+
+
+def attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperature_BT, rows_BT, layer=None,
+                block: int = ROW_BLOCK):
     """``attend`` of queries that each read a cache row of their own, query (b, t) row
-    ``rows_BT[b, t]`` (a packed prefill: several requests' chunks in one row of tokens). One cache
-    row at a time, the queries of the others masked: a row no query reads is skipped, and a block
-    of queries that holds none of a row's computes one block of keys for it (``attend_blocked``
-    stops each block after the last key it may see). A query of no row (padding) gets zeros."""
+    ``rows_BT[b, t]`` (a packed prefill: several requests' chunks in one row of tokens). The
+    queries are taken ``block`` at a time, every block against the cache row of one of its rows in
+    the same pass (its keys gathered block of keys by block of keys, FlashAttention's running
+    softmax over them, up to the last key any query may see): one pass where each chunk starts at
+    a multiple of ``block``, as the runner packs them, one more for each further row a block holds.
+    A call's attention then costs about what its rows' own attention does, whichever rows share
+    it. A query of no row (a cache row past the last: padding) gets zeros. With ``layer`` the
+    caches are every layer's ``[L, B, K, S, H]``, of which each block of keys is read from that
+    layer (never a copy of the layer's whole cache)."""
     b, t, n, h = q_BTNH.shape
-    s = mask_BTS.shape[-1]
-    q_1QNH, mask_1QS, rows_1Q = q_BTNH.reshape(1, b * t, n, h), mask_BTS.reshape(1, b * t, s), rows_BT.reshape(1, b * t)
-    temp_1Q = None if temperature_BT is None else temperature_BT.reshape(1, b * t)
+    s, q = mask_BTS.shape[-1], b * t
+    block = block if q % block == 0 else q
+    shape = jax.tree_util.tree_leaves(k_BKSH)[0].shape[-4:]  # [B, K, S_max, H] of a layer
+    nb, slots, k, g = q // block, shape[0], shape[1], n // shape[1]
+    q_bCKGH = q_BTNH.reshape(nb, block, k, g, h)
+    rows_bC, mask_bCS = rows_BT.reshape(nb, block), mask_BTS.reshape(nb, block, s)
+    temp = None if temperature_BT is None else temperature_BT.reshape(nb, block)[:, None, None, :, None]
+    keys = min(s, ATTENTION_BLOCK) if s % min(s, ATTENTION_BLOCK) == 0 else s
+    positions_S = jnp.arange(s)
 
-    def one(r, out_1QNH):
-        mine_1Q = rows_1Q == r
+    def one_pass(carry):  # every block's lowest row not yet attended
+        out_bCKGH, todo_bC = carry
+        r_b = jnp.min(jnp.where(todo_bC, rows_bC, slots), axis=1)
+        mine_bC = todo_bC & (rows_bC == r_b[:, None])
+        allowed_bCS = mask_bCS & mine_bC[:, :, None]
+        r_b = jnp.minimum(r_b, slots - 1)  # a block with none left reads any row, all masked
+        last = jnp.max(jnp.where(allowed_bCS, positions_S, -1))
 
-        def attend_row():
-            k_1KSH, v_1KSH = (jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, r, 1, axis=0), x)
-                              for x in (k_BKSH, v_BKSH))
-            got = attend(q_1QNH, k_1KSH, v_1KSH, mask_1QS & mine_1Q[..., None], scale, cap, temp_1Q)
-            return jnp.where(mine_1Q[..., None, None], got, out_1QNH)
+        def key_block(j, carry):
+            m_bKGC, l_bKGC, acc_bKGCH = carry
+            def take(a):  # block j of keys of the rows r_b: [nb, K, keys, H] (of the layer's)
+                if layer is None:
+                    return jnp.take(jax.lax.dynamic_slice_in_dim(a, j * keys, keys, axis=2), r_b, axis=0)
+                got = jax.lax.dynamic_slice(a, (layer, 0, 0, j * keys, 0), (1, *a.shape[1:3], keys, a.shape[4]))
+                return jnp.take(got[0], r_b, axis=0)
 
-        return jax.lax.cond(jnp.any(mine_1Q), attend_row, lambda: out_1QNH)
+            k_bKcH, v_bKcH = (positions(x, take, q_BTNH.dtype) for x in (k_BKSH, v_BKSH))
+            allowed = jax.lax.dynamic_slice_in_dim(allowed_bCS, j * keys, keys, axis=2)
+            logits = capped_logits(jnp.einsum("bCKGH,bKcH->bKGCc", q_bCKGH, k_bKcH).astype(jnp.float32),
+                                   scale, cap, temp)
+            logits = jnp.where(allowed[:, None, None], logits, _MASKED)
+            m_new = jnp.maximum(m_bKGC, jnp.max(logits, axis=-1))
+            p = jnp.exp(logits - m_new[..., None])
+            correction = jnp.exp(m_bKGC - m_new)
+            pv = jnp.einsum("bKGCc,bKcH->bKGCH", p.astype(q_BTNH.dtype), v_bKcH).astype(jnp.float32)
+            return m_new, l_bKGC * correction + jnp.sum(p, axis=-1), acc_bKGCH * correction[..., None] + pv
 
-    slots = jax.tree_util.tree_leaves(k_BKSH)[0].shape[0]
-    out = jax.lax.fori_loop(0, slots, one, jnp.zeros_like(q_1QNH))
+        init = (jnp.full((nb, k, g, block), -jnp.inf, jnp.float32), jnp.zeros((nb, k, g, block), jnp.float32),
+                jnp.zeros((nb, k, g, block, h), jnp.float32))
+        _, l_bKGC, acc_bKGCH = jax.lax.fori_loop(0, jnp.maximum(last // keys + 1, 1), key_block, init)
+        got_bCKGH = (acc_bKGCH / l_bKGC[..., None]).astype(q_BTNH.dtype).transpose(0, 3, 1, 2, 4)
+        return jnp.where(mine_bC[:, :, None, None, None], got_bCKGH, out_bCKGH), todo_bC & ~mine_bC
+
+    out, _ = jax.lax.while_loop(lambda carry: jnp.any(carry[1]), one_pass,
+                                (jnp.zeros_like(q_bCKGH), (rows_bC >= 0) & (rows_bC < slots)))
     return out.reshape(b, t, n, h)
 
 

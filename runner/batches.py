@@ -26,10 +26,10 @@ def stop_ids(request: Request, eos_token: int) -> list[int]:
     return eos + sorted(set(request.stop_token_ids) - set(eos))
 
 
-def prefill_row(batch: PrefillBatch, i: int, row: PrefillRow, eos_token: int, offset: int) -> None:
+def prefill_row(batch: PrefillBatch, i: int, row: PrefillRow, eos_token: int) -> None:
     """Write ``row`` (a chunk of one request) as row ``i`` of the host arrays of ``batch``, its
-    tokens packed at ``offset``."""
-    s = row.sequence
+    tokens packed at its offset."""
+    s, offset = row.sequence, row.offset
     chunk = slice(offset, offset + row.length)
     batch.tokens[chunk] = s.ids[row.start: row.start + row.length]
     batch.row[chunk], batch.offset[i] = i, offset

@@ -290,11 +290,10 @@ class Engine:
         """The plan's prefill call, then its forks. A request whose row cannot be made (its
         detokenizer, a host-side bug) ends alone, its row left as padding."""
         batch = self.executor.empty_batch(plan.rows, plan.bucket)
-        rows, offset = {}, 0
+        rows = {}
         for i, row in enumerate(plan.prefill):
-            offset, at = offset + row.length, offset
             try:
-                self._make_row(batch, i, row, at)
+                self._make_row(batch, i, row)
             except Exception as e:
                 self.scheduler.row_dropped(batch.save[i])
                 padding = self.executor.empty_batch(1, 1)
@@ -328,13 +327,13 @@ class Engine:
             out = self.executor.fork(logits, fork.row, leader.slot, one)
             self._in_flight.append(Call(out, {0: sequence}, [sequence] if one.masked[0] else []))
 
-    def _make_row(self, batch, i: int, row: PrefillRow, offset: int) -> None:
-        """Row ``i`` of ``batch`` (its tokens packed at ``offset``): ``row``'s chunk, its first mask,
-        and the prefix blocks it saves."""
+    def _make_row(self, batch, i: int, row: PrefillRow) -> None:
+        """Row ``i`` of ``batch``: ``row``'s chunk (packed at its offset), its first mask, and the
+        prefix blocks it saves."""
         first = row.start == row.sequence.cached
         if first:
             self.outputs.start(row.sequence)
-        prefill_row(batch, i, row, self.outputs.eos_token, offset)
+        prefill_row(batch, i, row, self.outputs.eos_token)
         self.outputs.first_mask(batch, i, row.sequence)
         for block, index in self.scheduler.saves(row):  # last: nothing can fail after it
             batch.save[i, block] = index

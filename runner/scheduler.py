@@ -35,6 +35,7 @@ from typing import Optional
 from runner.prefix_cache import PrefixCache
 from runner.requests import Request
 from runner.speculative import Drafting, plan_call
+from runner.state import CHUNK_ALIGN
 
 # Padding a prompt's last chunk by this many positions costs less than one more device call (at
 # small chunk sizes a prefill call's time goes to reading the weights, not to its positions).
@@ -135,6 +136,7 @@ class PrefillRow:
     sequence: RequestState
     start: int  # the chunk's first prompt position
     length: int  # its real tokens
+    offset: int = 0  # where its tokens start in the call's packed row of tokens
 
 
 @dataclasses.dataclass
@@ -190,6 +192,9 @@ class Scheduler:
         # BENCHMARKS.md, "Start-up"). A scored chunk (one row, every position unembedded) is
         # padded to every other bucket from the largest.
         self.score_sizes = every_other_from_top(self.chunk_sizes)
+        # each chunk of a call starts at a multiple of this (``runner.state.CHUNK_ALIGN``, or the
+        # smallest bucket where that is smaller: two of its chunks still share a call)
+        self.align = min(CHUNK_ALIGN, self.chunk_sizes[0])
         self.waiting: collections.deque[RequestState] = collections.deque()
         self.slots: list[Optional[RequestState]] = [None] * batch_size
         self._admitted: list[RequestState] = []  # in slots and still prefilling, oldest first
@@ -240,27 +245,28 @@ class Scheduler:
 
     def _plan_prefill(self) -> RoundPlan:
         decoding = [s for s in self.slots if s is not None and s.decoding]
-        left = min(self.budget - len(decoding), self.chunk_sizes[-1])
+        left = self.budget - len(decoding)
+        packed = 0  # the call's chunks so far, each aligned: they fit in the largest bucket
         rows: list[PrefillRow] = []
-        total = 0
         for sequence in self._candidates():
             if sequence.slot is None and self._leader_of(sequence, [r.sequence for r in rows]):
                 continue  # it will copy the leader's prompt when the leader's last chunk is computed
             hit = self._cached_prefix(sequence) if sequence.slot is None else None
             length = hit[1][0] if hit else sequence.chunks[sequence.chunks_done]
-            if rows and (sequence.scored or length > left):
+            offset = -(-packed // self.align) * self.align
+            if rows and (sequence.scored or length > left or offset + length > self.chunk_sizes[-1]):
                 continue  # the oldest first; a later one that fits may join (the oldest left out leads soon)
             if sequence.slot is None:
                 self._admit(sequence, hit)
-            rows.append(PrefillRow(sequence, sequence.prefilled, length))
+            rows.append(PrefillRow(sequence, sequence.prefilled, length, offset))
             left -= length
-            total += length
+            packed = offset + length
             if sequence.scored:
                 break  # a scored chunk is a call of its own: one row, every position unembedded
         plan = RoundPlan(rows, score=bool(rows) and rows[0].sequence.scored)
         if rows:
             plan.rows = self.batch_size
-            plan.bucket = smallest_at_least(self.score_sizes if plan.score else self.chunk_sizes, total)
+            plan.bucket = smallest_at_least(self.score_sizes if plan.score else self.chunk_sizes, packed)
             for i, row in enumerate(rows):
                 row.sequence.chunks_done += 1
                 row.sequence.prefilled += row.length

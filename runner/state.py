@@ -23,6 +23,9 @@ from model.memory import KVMemory
 from runner.sampling import Constraints, SampleOutput, SampleSettings
 
 MAX_STOP_IDS = 8  # EOS plus up to 7 stop tokens per request
+# Each chunk of a packed prefill starts at a multiple of this (``runner.scheduler``): every block
+# of that many queries then reads one cache row (``backends.xla.attend_rows``, whose block it is)
+CHUNK_ALIGN = 16
 
 
 @flax.struct.dataclass

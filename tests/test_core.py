@@ -239,10 +239,10 @@ def test_a_request_failing_at_admission_ends_alone(runner, monkeypatch):
     want = {r.request_id: solo(runner, r) for r in requests}
     real = core.prefill_row
 
-    def failing(batch, i, row, eos, offset):
+    def failing(batch, i, row, eos):
         if row.sequence.request is requests[0]:
             raise OverflowError("a host-side bug (test)")
-        return real(batch, i, row, eos, offset)
+        return real(batch, i, row, eos)
 
     monkeypatch.setattr(core, "prefill_row", failing)
     events = {}
