@@ -161,58 +161,87 @@ def attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temp
     ``rows_BT[b, t]`` (a packed prefill: several requests' chunks in one row of tokens). The
     queries are taken ``block`` at a time, every block against the cache row of one of its rows in
     the same pass (its keys gathered block of keys by block of keys, FlashAttention's running
-    softmax over them, up to the last key any query may see): one pass where each chunk starts at
-    a multiple of ``block``, as the runner packs them, one more for each further row a block holds.
-    A call's attention then costs about what its rows' own attention does, whichever rows share
-    it. A query of no row (a cache row past the last: padding) gets zeros. With ``layer`` the
-    caches are every layer's ``[L, B, K, S, H]``, of which each block of keys is read from that
-    layer (never a copy of the layer's whole cache)."""
+    softmax over them): one pass where each chunk starts at a multiple of ``block``, as the runner
+    packs them, one more for each further row a block holds. Up to ``ATTENTION_BLOCK`` queries go
+    together, each group stopping after the last key any of its queries may see (a chunk's causal
+    half is not computed); a group whose queries all read one row (a long chunk) is attended as
+    one block against that row's keys, in the larger matmuls of ``attend_blocked``. A call's attention then costs about what its rows' own attention does,
+    whichever rows share it. A query of no row (a cache row past the last: padding) gets zeros.
+    With ``layer`` the caches are every layer's ``[L, B, K, S, H]``, of which each block of keys is
+    read from that layer (never a copy of the layer's whole cache)."""
     b, t, n, h = q_BTNH.shape
     s, q = mask_BTS.shape[-1], b * t
     block = block if q % block == 0 else q
+    group = ATTENTION_BLOCK // block if ATTENTION_BLOCK % block == 0 and q % ATTENTION_BLOCK == 0 else q // block
     shape = jax.tree_util.tree_leaves(k_BKSH)[0].shape[-4:]  # [B, K, S_max, H] of a layer
     nb, slots, k, g = q // block, shape[0], shape[1], n // shape[1]
-    q_bCKGH = q_BTNH.reshape(nb, block, k, g, h)
-    rows_bC, mask_bCS = rows_BT.reshape(nb, block), mask_BTS.reshape(nb, block, s)
-    temp = None if temperature_BT is None else temperature_BT.reshape(nb, block)[:, None, None, :, None]
     keys = min(s, ATTENTION_BLOCK) if s % min(s, ATTENTION_BLOCK) == 0 else s
     positions_S = jnp.arange(s)
+    q_bCKGH = q_BTNH.reshape(nb, block, k, g, h)
+    rows_bC, mask_bCS = rows_BT.reshape(nb, block), mask_BTS.reshape(nb, block, s)
+    temp_bC = None if temperature_BT is None else temperature_BT.reshape(nb, block)
 
-    def one_pass(carry):  # every block's lowest row not yet attended
-        out_bCKGH, todo_bC = carry
-        r_b = jnp.min(jnp.where(todo_bC, rows_bC, slots), axis=1)
-        mine_bC = todo_bC & (rows_bC == r_b[:, None])
-        allowed_bCS = mask_bCS & mine_bC[:, :, None]
-        r_b = jnp.minimum(r_b, slots - 1)  # a block with none left reads any row, all masked
-        last = jnp.max(jnp.where(allowed_bCS, positions_S, -1))
+    def attend_to(q_gCKGH, allowed_gCS, r_g, temp_gC):
+        """Each block g of queries over the keys of cache row ``r_g[g]`` it is ``allowed``, key
+        block by key block up to the last any of them may see: ``[g, C, K, G, H]``."""
+        blocks, size = q_gCKGH.shape[:2]
+        temp = None if temp_gC is None else temp_gC[:, None, None, :, None]
+        last = jnp.max(jnp.where(allowed_gCS, positions_S, -1))
 
         def key_block(j, carry):
-            m_bKGC, l_bKGC, acc_bKGCH = carry
-            def take(a):  # block j of keys of the rows r_b: [nb, K, keys, H] (of the layer's)
-                if layer is None:
-                    return jnp.take(jax.lax.dynamic_slice_in_dim(a, j * keys, keys, axis=2), r_b, axis=0)
-                got = jax.lax.dynamic_slice(a, (layer, 0, 0, j * keys, 0), (1, *a.shape[1:3], keys, a.shape[4]))
-                return jnp.take(got[0], r_b, axis=0)
+            m_gKGC, l_gKGC, acc_gKGCH = carry
 
-            k_bKcH, v_bKcH = (positions(x, take, q_BTNH.dtype) for x in (k_BKSH, v_BKSH))
-            allowed = jax.lax.dynamic_slice_in_dim(allowed_bCS, j * keys, keys, axis=2)
-            logits = capped_logits(jnp.einsum("bCKGH,bKcH->bKGCc", q_bCKGH, k_bKcH).astype(jnp.float32),
+            def read(a):  # block j of keys of the rows r_g: [g, K, keys, H] (of the layer's)
+                if layer is None:
+                    return jnp.take(jax.lax.dynamic_slice_in_dim(a, j * keys, keys, axis=2), r_g, axis=0)
+                got = jax.lax.dynamic_slice(a, (layer, 0, 0, j * keys, 0), (1, *a.shape[1:3], keys, a.shape[4]))
+                return jnp.take(got[0], r_g, axis=0)
+
+            k_gKcH, v_gKcH = (positions(x, read, q_BTNH.dtype) for x in (k_BKSH, v_BKSH))
+            allowed = jax.lax.dynamic_slice_in_dim(allowed_gCS, j * keys, keys, axis=2)
+            logits = capped_logits(jnp.einsum("gCKGH,gKcH->gKGCc", q_gCKGH, k_gKcH).astype(jnp.float32),
                                    scale, cap, temp)
             logits = jnp.where(allowed[:, None, None], logits, _MASKED)
-            m_new = jnp.maximum(m_bKGC, jnp.max(logits, axis=-1))
+            m_new = jnp.maximum(m_gKGC, jnp.max(logits, axis=-1))
             p = jnp.exp(logits - m_new[..., None])
-            correction = jnp.exp(m_bKGC - m_new)
-            pv = jnp.einsum("bKGCc,bKcH->bKGCH", p.astype(q_BTNH.dtype), v_bKcH).astype(jnp.float32)
-            return m_new, l_bKGC * correction + jnp.sum(p, axis=-1), acc_bKGCH * correction[..., None] + pv
+            correction = jnp.exp(m_gKGC - m_new)
+            pv = jnp.einsum("gKGCc,gKcH->gKGCH", p.astype(q_BTNH.dtype), v_gKcH).astype(jnp.float32)
+            return m_new, l_gKGC * correction + jnp.sum(p, axis=-1), acc_gKGCH * correction[..., None] + pv
 
-        init = (jnp.full((nb, k, g, block), -jnp.inf, jnp.float32), jnp.zeros((nb, k, g, block), jnp.float32),
-                jnp.zeros((nb, k, g, block, h), jnp.float32))
-        _, l_bKGC, acc_bKGCH = jax.lax.fori_loop(0, jnp.maximum(last // keys + 1, 1), key_block, init)
-        got_bCKGH = (acc_bKGCH / l_bKGC[..., None]).astype(q_BTNH.dtype).transpose(0, 3, 1, 2, 4)
-        return jnp.where(mine_bC[:, :, None, None, None], got_bCKGH, out_bCKGH), todo_bC & ~mine_bC
+        init = (jnp.full((blocks, k, g, size), -jnp.inf, jnp.float32),
+                jnp.zeros((blocks, k, g, size), jnp.float32), jnp.zeros((blocks, k, g, size, h), jnp.float32))
+        _, l_gKGC, acc_gKGCH = jax.lax.fori_loop(0, jnp.maximum(last // keys + 1, 1), key_block, init)
+        return (acc_gKGCH / l_gKGC[..., None]).astype(q_BTNH.dtype).transpose(0, 3, 1, 2, 4)
 
-    out, _ = jax.lax.while_loop(lambda carry: jnp.any(carry[1]), one_pass,
-                                (jnp.zeros_like(q_bCKGH), (rows_bC >= 0) & (rows_bC < slots)))
+    def groups(i, out_bCKGH):  # blocks [i * group, (i + 1) * group)
+        take = lambda a: jax.lax.dynamic_slice_in_dim(a, i * group, group, axis=0)  # noqa: E731
+        q_gCKGH, rows_gC, mask_gCS = take(q_bCKGH), take(rows_bC), take(mask_bCS)
+        temp_gC = None if temp_bC is None else take(temp_bC)
+        valid_gC = (rows_gC >= 0) & (rows_gC < slots)
+
+        def one_row():  # every query of the group reads one row: its blocks together, as one
+            r = jnp.minimum(jnp.min(jnp.where(valid_gC, rows_gC, slots)), slots - 1)
+            flat = lambda a: a.reshape(1, group * block, *a.shape[2:])  # noqa: E731
+            got = attend_to(flat(q_gCKGH), flat(mask_gCS & valid_gC[:, :, None]), r[None],
+                            None if temp_gC is None else flat(temp_gC)).reshape(q_gCKGH.shape)
+            return jnp.where(valid_gC[:, :, None, None, None], got, 0).astype(q_gCKGH.dtype)
+
+        def one_pass(carry):  # every block's lowest row not yet attended
+            out_gCKGH, todo_gC = carry
+            r_g = jnp.min(jnp.where(todo_gC, rows_gC, slots), axis=1)
+            mine_gC = todo_gC & (rows_gC == r_g[:, None])
+            got = attend_to(q_gCKGH, mask_gCS & mine_gC[:, :, None], jnp.minimum(r_g, slots - 1), temp_gC)
+            return jnp.where(mine_gC[:, :, None, None, None], got, out_gCKGH), todo_gC & ~mine_gC
+
+        def by_blocks():
+            return jax.lax.while_loop(lambda carry: jnp.any(carry[1]), one_pass,
+                                      (jnp.zeros_like(q_gCKGH), valid_gC))[0]
+
+        first = jnp.min(jnp.where(valid_gC, rows_gC, slots))
+        out_gCKGH = jax.lax.cond(jnp.all(~valid_gC | (rows_gC == first)), one_row, by_blocks)
+        return jax.lax.dynamic_update_slice_in_dim(out_bCKGH, out_gCKGH, i * group, axis=0)
+
+    out = jax.lax.fori_loop(0, nb // group, groups, jnp.zeros_like(q_bCKGH))
     return out.reshape(b, t, n, h)
 
 

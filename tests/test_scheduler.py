@@ -99,3 +99,35 @@ def test_the_kv_bucket_covers_every_row_in_flight():
     plan = s.schedule()
     assert plan.decode_steps == 4 and plan.decode_kv_len == 256  # 61 + 4 positions
     assert a.dispatched == 65 and a.computed == 60
+
+
+def test_packed_chunks_start_aligned_and_fit_their_bucket():
+    """Chunks of one call are packed at offsets that are multiples of 16 (each block of 16 queries
+    reads one cache row), one after another, inside the call's bucket; the call's shape is among
+    those compiled, whatever its rows."""
+    s = scheduler()
+    seqs = submit(s, 40, 7, 100, 16, 250)
+    plan = s.schedule()
+    assert [r.sequence for r in plan.prefill] == seqs
+    offsets = [r.offset for r in plan.prefill]
+    assert offsets == [0, 48, 64, 176, 192] and plan.bucket == 512  # 192 + 250 = 442
+    assert (plan.rows, plan.bucket) in s.prefill_shapes()
+    small = Scheduler(4, (8, 16, 32), default_kv_buckets(64), 64, 24, 2)  # buckets below 16: aligned to 8
+    a, b = submit(small, 5, 8)
+    plan = small.schedule()
+    assert [(r.sequence, r.offset) for r in plan.prefill] == [(a, 0), (b, 8)] and plan.bucket == 16
+
+
+def test_the_bench_configs_server_compiles_twelve_steps():
+    """Issue 50's count: 8 slots, 2,048 positions, the default budget and buckets, scoring on, on
+    a backend whose decode reads the live positions alone (the CPU kernel): 6 prefill buckets, 3
+    scoring, 1 decode, the fork and the release. On XLA, one decode a KV bucket (4)."""
+    import dataclasses
+
+    from model import TINY
+    from runner import compiled
+
+    config = dataclasses.replace(TINY, sequence_len=2048)
+    cpu = compiled.steps(config, 8, score_prompts=True, live_keys=True)
+    assert cpu.count == 12 and len(cpu.prefills) == 9 and len(cpu.decodes) == 1
+    assert compiled.steps(config, 8, score_prompts=True).count == 15
