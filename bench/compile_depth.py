@@ -9,7 +9,9 @@ prefill (batch 1, into a fresh memory, the last position unembedded), each ``jax
 ``model.forward`` lowered and compiled from ``jax.ShapeDtypeStruct``s: nothing is allocated, so
 Grok-1's 64 layers compile on a laptop. Each way of running the stack in ``--stack`` is measured
 in the same run: ``unrolled`` (a Python loop of the layers, each over its own parameters: the
-model before issue 50) and ``scan`` (one layer scanned over the stacked parameters: the default).
+model before issue 50) and ``scan`` (one layer scanned over the stacked parameters: the default);
+``server`` times the steps a server builds instead (a packed prefill and a decode call, sampling
+included, from ``Executor.abstract``).
 Prints a markdown table per way (seconds, and each depth's time over the 1-layer step's) and
 writes JSON with the machine. The persistent compilation cache is
 off: every figure is a compile. Never run by the tests.
@@ -30,8 +32,11 @@ from bench.common import cpu
 
 
 def steps(num_layers: int, kv_len: int = 2048, decode_batch: int = 8, prefill_len: int = 256, stack: str = "scan"):
-    """``{name: (jitted, abstract arguments)}`` of the decode and prefill steps at ``num_layers``,
-    the stack run as ``stack`` ("scan" or "unrolled")."""
+    """``{name: lower}`` of the decode and prefill steps at ``num_layers`` (``lower()`` traces and
+    lowers one), the stack run as ``stack`` ("scan" or "unrolled"); with "server", the steps a
+    server compiles (``Executor.abstract``'s variants, scanned): a packed prefill of
+    ``prefill_len`` tokens in ``decode_batch`` rows with its first tokens sampled, and a decode
+    call of up to 4 steps of every slot over the whole memory, sampling included."""
     from backends import XLA
     from model import GROK_1, forward
     from model.memory import new_memory
@@ -41,6 +46,14 @@ def steps(num_layers: int, kv_len: int = 2048, decode_batch: int = 8, prefill_le
     config = dataclasses.replace(GROK_1, num_layers=num_layers, sequence_len=kv_len, fprop_dtype="bfloat16")
     params = jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.bfloat16),
                                     abstract_params(config))
+    if stack == "server":
+        from runner.executor import Executor
+
+        mesh = jax.sharding.Mesh([[jax.devices()[0]]], ("data", "model"))
+        executor = Executor.abstract(config, params, mesh, decode_batch)
+        lowers = {key[0]: lower for key, _, lower in executor.variants([(decode_batch, prefill_len, False)],
+                                                                      [(kv_len, 4, 0)])}
+        return {"decode": lowers["decode"], "prefill": lowers["prefill"]}
     backend = XLA(layers=stack)
     if stack == "unrolled":
         params = layers_apart(params, take=lambda a, i: jax.ShapeDtypeStruct(a.shape[1:], a.dtype))
@@ -52,18 +65,17 @@ def steps(num_layers: int, kv_len: int = 2048, decode_batch: int = 8, prefill_le
     def memory(batch):
         return jax.eval_shape(lambda: new_memory(config, batch))
 
-    return {
-        "decode": (step(False), (params, jax.ShapeDtypeStruct((decode_batch, 1), jnp.int32), memory(decode_batch))),
-        "prefill": (step(True), (params, jax.ShapeDtypeStruct((1, prefill_len), jnp.int32), memory(1))),
-    }
+    decode_args = (params, jax.ShapeDtypeStruct((decode_batch, 1), jnp.int32), memory(decode_batch))
+    prefill_args = (params, jax.ShapeDtypeStruct((1, prefill_len), jnp.int32), memory(1))
+    return {"decode": lambda: step(False).lower(*decode_args), "prefill": lambda: step(True).lower(*prefill_args)}
 
 
 def measure(num_layers: int, stack: str = "scan") -> dict:
     """Lowering and compile seconds of each step at ``num_layers``."""
     out = {}
-    for name, (jitted, args) in steps(num_layers, stack=stack).items():
+    for name, lower in steps(num_layers, stack=stack).items():
         began = time.perf_counter()
-        lowered = jitted.lower(*args)
+        lowered = lower()
         lowered_at = time.perf_counter()
         lowered.compile()
         done = time.perf_counter()
@@ -76,7 +88,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="1,8,16,32,64", help="depths, comma-separated (default 1,8,16,32,64)")
     parser.add_argument("--stack", default="unrolled,scan",
-                        help="ways to run the stack, comma-separated (default unrolled,scan: before and after)")
+                        help="ways to run the stack, comma-separated (default unrolled,scan: before and after; "
+                             "server: the server's own steps, scanned)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     jax.config.update("jax_compilation_cache_dir", None)
