@@ -199,7 +199,7 @@ def materialize(sources: dict, config: ModelConfig, *, mesh: Mesh | None, dtype=
         if abstract:
             return jax.ShapeDtypeStruct(lazy.shape, out_dtype or lazy.dtype)
         reader = reader or (lambda index: lazy.read(index))
-        cast = (lambda a: a.astype(out_dtype)) if out_dtype is not None else (lambda a: a)
+        cast = (lambda a: a.astype(out_dtype, copy=False)) if out_dtype is not None else (lambda a: a)  # no copy when it has the dtype
         if sharding is None:
             return cast(reader(tuple(slice(None) for _ in lazy.shape)))
         return jax.make_array_from_callback(lazy.shape, sharding, lambda index: cast(reader(index)))
