@@ -189,8 +189,6 @@ def attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temp
         last = jnp.max(jnp.where(allowed_gCS, positions_S, -1))
 
         def key_block(j, carry):
-            m_gKGC, l_gKGC, acc_gKGCH = carry
-
             def read(a):  # block j of keys of the rows r_g: [g, K, keys, H] (of the layer's)
                 if layer is None:
                     return jnp.take(jax.lax.dynamic_slice_in_dim(a, j * keys, keys, axis=2), r_g, axis=0)
@@ -199,14 +197,7 @@ def attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temp
 
             k_gKcH, v_gKcH = (positions(x, read, q_BTNH.dtype) for x in (k_BKSH, v_BKSH))
             allowed = jax.lax.dynamic_slice_in_dim(allowed_gCS, j * keys, keys, axis=2)
-            logits = capped_logits(jnp.einsum("gCKGH,gKcH->gKGCc", q_gCKGH, k_gKcH).astype(jnp.float32),
-                                   scale, cap, temp)
-            logits = jnp.where(allowed[:, None, None], logits, _MASKED)
-            m_new = jnp.maximum(m_gKGC, jnp.max(logits, axis=-1))
-            p = jnp.exp(logits - m_new[..., None])
-            correction = jnp.exp(m_gKGC - m_new)
-            pv = jnp.einsum("gKGCc,gKcH->gKGCH", p.astype(q_BTNH.dtype), v_gKcH).astype(jnp.float32)
-            return m_new, l_gKGC * correction + jnp.sum(p, axis=-1), acc_gKGCH * correction[..., None] + pv
+            return online_softmax_step(carry, q_gCKGH, k_gKcH, v_gKcH, allowed, scale, cap, temp)
 
         init = (jnp.full((blocks, k, g, size), -jnp.inf, jnp.float32),
                 jnp.zeros((blocks, k, g, size), jnp.float32), jnp.zeros((blocks, k, g, size, h), jnp.float32))
@@ -245,6 +236,21 @@ def attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temp
     return out.reshape(b, t, n, h)
 
 
+def online_softmax_step(carry, q_BQKGH, k_BKCH, v_BKCH, allowed_BQC, scale: float, cap: float, temperature=None):
+    """One block of keys of FlashAttention's recurrence: ``carry = (max, sum, acc)`` of the
+    queries ``[B, K, G, Q]`` (acc ``[B, K, G, Q, H]``, float32) updated with keys and values
+    ``[B, K, C, H]`` where ``allowed [B, Q, C]``; the products in the queries' dtype."""
+    m_BKGQ, l_BKGQ, acc_BKGQH = carry
+    logits = capped_logits(jnp.einsum("BQKGH,BKCH->BKGQC", q_BQKGH, k_BKCH).astype(jnp.float32), scale, cap,
+                           temperature)
+    logits = jnp.where(allowed_BQC[:, None, None], logits, _MASKED)
+    m_new = jnp.maximum(m_BKGQ, jnp.max(logits, axis=-1))
+    p = jnp.exp(logits - m_new[..., None])
+    correction = jnp.exp(m_BKGQ - m_new)
+    pv = jnp.einsum("BKGQC,BKCH->BKGQH", p.astype(q_BQKGH.dtype), v_BKCH).astype(jnp.float32)
+    return m_new, l_BKGQ * correction + jnp.sum(p, axis=-1), acc_BKGQH * correction[..., None] + pv
+
+
 def capped_logits(logits, scale: float, cap: float, temperature=None):
     """Grok's attention logits from the raw dot products (float32): ``cap * tanh(x * scale / cap)``,
     times a per-query temperature broadcast against them where one is given."""
@@ -275,19 +281,10 @@ def attend_blocked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, q
         blocks = jnp.maximum(last // block + 1, 1)
 
         def key_block(j, carry):
-            m_BKGQ, l_BKGQ, acc_BKGQH = carry
             k_BKCH, v_BKCH = (positions(x, lambda a: jax.lax.dynamic_slice_in_dim(a, j * block, block, axis=2), dtype)
                               for x in (k_BKSH, v_BKSH))
             mask_BQC = jax.lax.dynamic_slice_in_dim(mask_BQS, j * block, block, axis=2)
-            logits = capped_logits(jnp.einsum("BQKGH,BKCH->BKGQC", q_BQKGH, k_BKCH).astype(jnp.float32),
-                                   scale, cap, temp)
-            logits = jnp.where(mask_BQC[:, None, None], logits, _MASKED)
-            m_new = jnp.maximum(m_BKGQ, jnp.max(logits, axis=-1))
-            p = jnp.exp(logits - m_new[..., None])
-            correction = jnp.exp(m_BKGQ - m_new)
-            l_BKGQ = l_BKGQ * correction + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("BKGQC,BKCH->BKGQH", p.astype(dtype), v_BKCH).astype(jnp.float32)
-            return m_new, l_BKGQ, acc_BKGQH * correction[..., None] + pv
+            return online_softmax_step(carry, q_BQKGH, k_BKCH, v_BKCH, mask_BQC, scale, cap, temp)
 
         init = (jnp.full((b, k, g, queries), -jnp.inf, jnp.float32), jnp.zeros((b, k, g, queries), jnp.float32),
                 jnp.zeros((b, k, g, queries, h), jnp.float32))
