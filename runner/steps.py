@@ -36,7 +36,7 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, sco
     part of the prefill. ``apply`` is the model; ``sampler`` the backend that ``sample_token`` cuts
     and summarises on. Pure: jitted with ``state`` donated."""
     memory, b = state.memory, state.tokens.shape[0]
-    slots, p = batch.slots, batch.slots.shape[0]  # b for a padding row: read as zeros, written nowhere
+    slots = batch.slots  # b for a padding row: read as zeros, written nowhere
     step = jnp.take(memory.step, slots, mode="fill", fill_value=0)
     starts = jnp.where(batch.first, batch.cached, step)
     slots_T = jnp.take(slots, batch.row, mode="fill", fill_value=b)
