@@ -11,6 +11,8 @@ from typing import Callable
 
 import numpy as np
 
+from model.host import host_empty
+
 
 @dataclasses.dataclass(frozen=True)
 class LazyTensor:
@@ -22,6 +24,9 @@ class LazyTensor:
     read_slice: Callable[[tuple], np.ndarray]
     # A zero-copy view of the whole tensor (np.memmap), for streaming it to another file.
     mmap: Callable[[], np.ndarray] | None = None
+    # Fills a C-contiguous array of the whole tensor's shape and dtype with its bytes, read
+    # straight into it (no map of the file, no second copy): how whole tensors are restored.
+    read_into: Callable[[np.ndarray], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -33,7 +38,16 @@ class LazyTensor:
 
     def read(self, index: tuple | None = None) -> np.ndarray:
         index = tuple(slice(None) for _ in self.shape) if index is None else index
+        if self.read_into is not None and whole(index, self.shape):
+            out = host_empty(self.shape, self.dtype)
+            self.read_into(out)
+            return out
         return np.asarray(self.read_slice(index))
+
+
+def whole(index: tuple, shape: tuple[int, ...]) -> bool:
+    """Whether ``index`` (slices) covers all of ``shape``."""
+    return all(b - a == n for (a, b), n in zip(_bounds(index, shape), shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +122,13 @@ def stacked(parts: list[LazyTensor], source: str) -> LazyTensor:
     def read_slice(index):
         (e0, e1), *rest = _bounds(index, (len(parts), *shape))
         rest = tuple(slice(a, b) for a, b in rest)
-        out = np.empty((max(e1 - e0, 0), *(b - a for a, b in _bounds(rest, shape))), dtype)
+        out = host_empty((max(e1 - e0, 0), *(b - a for a, b in _bounds(rest, shape))), dtype)
+        into = whole(rest, shape)
         for e in range(e0, e1):
-            out[e - e0] = parts[e].read(rest)
+            if into and parts[e].read_into is not None:
+                parts[e].read_into(out[e - e0])
+            else:
+                out[e - e0] = parts[e].read(rest)
         return out
 
     return LazyTensor(source, (len(parts), *shape), dtype, read_slice)

@@ -11,6 +11,7 @@ so each device reads only its own slice. Host memory stays near one device slice
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import os
 
@@ -22,6 +23,7 @@ from checkpoints.lazy import LazyQuantized, LazyTensor, dequantized_slice, stack
 from checkpoints.native import load_config, regular_file
 from checkpoints.safe_pickle import CheckpointError
 from model.config import PRESETS, ModelConfig
+from model.host import adoptable, host_copy
 from model.quant import QuantizedWeight8bit
 from model.sharding import param_shardings, path_str
 from model.tree import STACKED, layer_name, split_layer_name
@@ -199,24 +201,38 @@ def materialize(sources: dict, config: ModelConfig, *, mesh: Mesh | None, dtype=
         if abstract:
             return jax.ShapeDtypeStruct(lazy.shape, out_dtype or lazy.dtype)
         reader = reader or (lambda index: lazy.read(index))
-        cast = (lambda a: a.astype(out_dtype, copy=False)) if out_dtype is not None else (lambda a: a)  # no copy when it has the dtype
         if sharding is None:
-            return cast(reader(tuple(slice(None) for _ in lazy.shape)))
-        return jax.make_array_from_callback(lazy.shape, sharding, lambda index: cast(reader(index)))
+            whole = reader(tuple(slice(None) for _ in lazy.shape))
+            return whole if out_dtype is None else whole.astype(out_dtype, copy=False)
+        on_cpu = all(d.platform == "cpu" for d in sharding.device_set)
 
-    out = {}
-    for name, source in sources.items():
+        def placed(a):  # what a device is given: on a CPU one, memory it takes over without a copy
+            want = a.dtype if out_dtype is None else np.dtype(out_dtype)
+            if a.dtype == want and (not on_cpu or adoptable(a)):
+                return a
+            return host_copy(a, want) if on_cpu else a.astype(want)
+
+        return jax.make_array_from_callback(lazy.shape, sharding, lambda index: placed(reader(index)))
+
+    def one(name, source):
         if isinstance(source, LazyQuantized) and dequantize:
-            out[name] = build(source.weight, flat_shardings[name], deq_dtype if abstract else None,
-                              reader=lambda index, s=source: dequantized_slice(s, index, deq_dtype))
+            built = build(source.weight, flat_shardings[name], deq_dtype if abstract else None,
+                          reader=lambda index, s=source: dequantized_slice(s, index, deq_dtype))
         elif isinstance(source, LazyQuantized):
-            out[name] = QuantizedWeight8bit(
+            built = QuantizedWeight8bit(
                 weight=build(source.weight, flat_shardings[name + "/weight"], None),
                 scales=build(source.scales, flat_shardings[name + "/scales"], float_dtype))
         else:
-            out[name] = build(source, flat_shardings[name], float_dtype)
+            built = build(source, flat_shardings[name], float_dtype)
         if bar is not None:
             bar.update(source.nbytes)
+        return built
+
+    # Tensors are read side by side on the host's cores: most of a read is the OS handing over
+    # fresh pages, which threads take in parallel (the reads release the GIL).
+    workers = 1 if abstract else min(os.cpu_count() or 1, 8)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        out = dict(zip(sources, pool.map(one, sources.keys(), sources.values())))
     if bar is not None:
         bar.close()
     return _nest(out)

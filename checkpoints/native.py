@@ -30,6 +30,7 @@ import numpy as np
 from checkpoints.lazy import LazyQuantized, LazyTensor
 from checkpoints.safe_pickle import CheckpointError, regular_file
 from model.config import ModelConfig
+from model.host import host_copy
 from model.sharding import path_str
 from model.tree import STACKED, layer_name
 
@@ -276,9 +277,23 @@ def _lazy(path: str, name: str, info: dict, data_start: int) -> LazyTensor:
     def read_slice(index, path=path, dtype=dtype, shape=shape, offset=offset):
         if int(np.prod(shape, dtype=np.int64)) == 0:
             return np.zeros(shape, dtype)[index]
-        return np.array(np.memmap(path, dtype, "r", offset, shape)[index])
+        return host_copy(np.memmap(path, dtype, "r", offset, shape)[index])
 
-    return LazyTensor(f"{path}:{name}", shape, dtype, read_slice)
+    def read_into(out, path=path, offset=offset):
+        if out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+            raise ValueError(f"read_into needs a C-contiguous {shape} {dtype} array, got {out.shape} {out.dtype}")
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
+            done = 0
+            while done < len(view):  # one read returns at most ~2 GB (Linux)
+                n = f.readinto(view[done:])
+                if not n:
+                    raise CheckpointError(f"{path}: truncated file: tensor {name[:200]!r} ends past byte "
+                                          f"{offset + done}")
+                done += n
+
+    return LazyTensor(f"{path}:{name}", shape, dtype, read_slice, read_into=read_into)
 
 
 def open_native(directory: str) -> tuple[ModelConfig, dict, str | None]:

@@ -72,6 +72,51 @@ def test_imported_and_converted_fixture_are_identical(reference_dir, converted, 
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_restore_on_one_cpu_device_reads_each_weight_once(tiny_params, tmp_path, monkeypatch):
+    """Every float weight is read from the file straight into the memory its device array then
+    uses (no copy after the read), and holds what was saved."""
+    import checkpoints.lazy
+    import model.host
+
+    save(str(tmp_path), tiny_params, TINY, max_shard_bytes=20_000)
+    allocated = []
+
+    def recording(shape, dtype=np.float32, huge=False):
+        out = model.host.host_empty(shape, dtype, huge)
+        allocated.append(out)
+        return out
+
+    monkeypatch.setattr(checkpoints.lazy, "host_empty", recording)
+    restored = restore(str(tmp_path), mesh=make_mesh((1, 1), jax.devices()[:1]))
+    read = {a.ctypes.data for a in allocated}
+    for path, leaf in leaves(restored.params):
+        assert leaf.unsafe_buffer_pointer() in read, path
+    assert_trees_equal(restored.params, tiny_params)
+
+
+def test_a_stacked_tensor_reads_whole_parts_and_slices_alike(tmp_path):
+    """The stacked layers read their parts straight into the stack when a read covers each part
+    whole, and slice by slice otherwise: both give the same values."""
+    from checkpoints.lazy import stacked
+    from checkpoints.native import _lazy
+
+    rng = np.random.default_rng(0)
+    parts, arrays = [], []
+    for i in range(3):
+        a = rng.standard_normal((5, 7)).astype(np.float32)
+        file = tmp_path / f"{i}.bin"
+        file.write_bytes(b"x" * 13 + a.tobytes())  # the data at an odd offset
+        parts.append(_lazy(str(file), f"w{i}", {"dtype": "F32", "shape": [5, 7], "data_offsets": [0, a.nbytes]}, 13))
+        arrays.append(a)
+    stack = stacked(parts, "stack")
+    np.testing.assert_array_equal(stack.read(), np.stack(arrays))
+    np.testing.assert_array_equal(stack.read((slice(1, 3),)), np.stack(arrays)[1:3])
+    np.testing.assert_array_equal(stack.read((slice(0, 3), slice(2, 4), slice(1, 6))), np.stack(arrays)[:, 2:4, 1:6])
+    (tmp_path / "2.bin").write_bytes(b"x" * 13 + arrays[2].tobytes()[:40])  # cut short after it was opened
+    with pytest.raises(CheckpointError, match="2.bin.*truncated"):
+        stack.read()
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (1, 8), (2, 4)])
 def test_restore_onto_meshes_gives_identical_logits(reference_dir, converted, imported, shape):
     mesh = make_mesh(shape, jax.devices()[: shape[0] * shape[1]])

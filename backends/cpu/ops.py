@@ -24,37 +24,15 @@ saying why not otherwise.
 
 from __future__ import annotations
 
-import mmap
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from backends.cpu import build
+from model.host import host_empty
 
 PANEL = 32
-
-
-def _hugepage_empty(shape, dtype=np.float32) -> np.ndarray:
-    """An uninitialised host array in memory advised to use transparent huge pages, where
-    the OS offers them (else a plain one). The kernels stream weights; with 2 MB pages instead of
-    4 KB a 256 MB read went from 56 to 66 GB/s on the development machine (BENCHMARKS.md), since a
-    stream then crosses far fewer page (and TLB) boundaries. On CPU, jax.device_put of such an
-    array keeps using its memory rather than copying it."""
-    dtype = np.dtype(dtype)
-    size = int(np.prod(shape)) * dtype.itemsize
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if size < (2 << 20) or advice is None:
-        return np.empty(shape, dtype)
-    huge = 2 << 20
-    try:  # 2 MB more, to start the array on a 2 MB boundary (huge pages are aligned)
-        region = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        region.madvise(advice)
-    except (OSError, ValueError, AttributeError):
-        return np.empty(shape, dtype)
-    start = -np.frombuffer(region, np.uint8, count=1).ctypes.data % huge
-    return np.frombuffer(region, dtype, count=size // dtype.itemsize, offset=start).reshape(shape)
 
 
 def pack(w, dtype=np.float32) -> np.ndarray:
@@ -65,7 +43,7 @@ def pack(w, dtype=np.float32) -> np.ndarray:
         w = w.astype(dtype)
     *lead, k, n = w.shape
     panels = -(-n // PANEL)
-    out = _hugepage_empty((*lead, panels, k, PANEL), dtype)
+    out = host_empty((*lead, panels, k, PANEL), dtype, huge=True)
     full = n // PANEL  # the whole panels, then the last one padded with zeros
     out[..., :full, :, :] = np.moveaxis(w[..., : full * PANEL].reshape(*lead, k, full, PANEL), -2, -3)
     if full < panels:
@@ -87,7 +65,7 @@ def pack_pairs(w) -> np.ndarray:
         w = np.concatenate([w, np.zeros((*w.shape[:-2], 1, w.shape[-1]), w.dtype)], axis=-2)
     panels = pack(w, jnp.bfloat16)  # [..., P, K, 32]
     *lead, p, k_even, _ = panels.shape
-    pairs = _hugepage_empty((*lead, p, k_even // 2, PANEL, 2), np.uint16)
+    pairs = host_empty((*lead, p, k_even // 2, PANEL, 2), np.uint16, huge=True)
     pairs[...] = panels.reshape(*lead, p, k_even // 2, 2, PANEL).swapaxes(-1, -2).view(np.uint16)
     return pairs
 
