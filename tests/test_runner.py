@@ -146,12 +146,25 @@ def test_no_compilation_after_warmup(runner):
 
 
 def test_without_the_warmup_each_variant_is_compiled_when_first_called_and_kept_in_the_store(runner, params,
-                                                                                             tmp_path):
+                                                                                             tmp_path, monkeypatch):
     """``initialize(warmup=False)``: a variant is compiled the first time a round calls it and kept
-    in ``compile_cache``; a second runner of the same model loads it and compiles nothing, and all
-    give the warmed-up runner's tokens. An executable JAX took from its persistent compilation
-    cache (as the session runner's programs are here) is used but never stored: serialised again,
-    its calls failed (NOT_FOUND) once loaded."""
+    in ``compile_cache``; a second runner of the same model loads it and compiles nothing (its
+    decode step loaded on another thread while its prefill loads), and all give the warmed-up
+    runner's tokens. An executable JAX took from its persistent compilation cache (as the session
+    runner's programs are here) is used but never stored: serialised again, its calls failed
+    (NOT_FOUND) once loaded."""
+    import threading
+
+    from runner.executables import ExecutableStore
+
+    loads, load = [], ExecutableStore.load
+
+    def recorded(self, name):
+        loads.append((name.split()[0], threading.current_thread().name.split("_")[0]))
+        return load(self, name)
+
+    monkeypatch.setattr(ExecutableStore, "load", recorded)
+
     def make(store):
         return InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=4, pad_sizes=PAD_SIZES,
                                max_num_batched_tokens=BUDGET, compile_cache=str(store)).initialize(warmup=False)
@@ -177,8 +190,11 @@ def test_without_the_warmup_each_variant_is_compiled_when_first_called_and_kept_
         assert 0 < len(stored) < variants  # the ones called, each once
         compilations()
         before = compilations()
+        loads.clear()
         assert tokens(make(store)) == want
         assert compilations() == before and sorted(store.rglob("*.exe")) == stored
+        threads = {kind: {thread for k, thread in loads if k == kind} for kind in ("decode", "prefill")}
+        assert threads["decode"] == {"load-ahead"} and "load-ahead" not in threads["prefill"], loads
     finally:
         jax.config.update("jax_enable_compilation_cache", True)
 
