@@ -214,3 +214,67 @@ class _Finiteness:
         if least > len(prefix):
             needed.append(self.node_of(rest))
         return needed
+
+
+# ---- objects closed unless the schema opens them ----------------------------------------------------
+# Keywords whose value is one subschema, a list of them, or a map of names to them.
+_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "additionalItems",
+        "unevaluatedItems", "unevaluatedProperties", "propertyNames")
+_LIST = ("anyOf", "oneOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_OPENING = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` (a copy) with every object that does not say which keys beyond its properties it
+    allows closed to them (``"additionalProperties": false``), as vLLM's default grammar backend
+    (xgrammar) compiles a schema: JSON-schema's own default is open, so a model may append keys of
+    its own until its token budget runs out, and the schemas libraries send (pydantic's
+    ``model_json_schema()``: instructor, LangChain) say nothing. An object opens with
+    ``"additionalProperties": true`` (or a schema), ``patternProperties`` or
+    ``unevaluatedProperties``. An ``allOf`` and its members are left as they are: each member lists
+    only its share of the keys the whole allows. Walked without recursion (the depth is checked
+    later)."""
+    root = _copied(schema)
+    stack = [(root, False)]
+    while stack:
+        node, in_all_of = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or (
+            kind is None and "properties" in node)
+        if is_object and not in_all_of and not any(k in node for k in (*_OPENING, "allOf")):
+            node["additionalProperties"] = False
+        for key in _ONE:
+            stack.append((node.get(key), False))
+        for key in _LIST:
+            if isinstance(node.get(key), list):
+                stack.extend((member, False) for member in node[key])
+        if isinstance(node.get("allOf"), list):
+            stack.extend((member, True) for member in node["allOf"])
+        for key in _MAP:
+            if isinstance(node.get(key), dict):
+                stack.extend((member, False) for member in node[key].values())
+    return root
+
+
+def _copied(value: Any) -> Any:
+    """A deep copy of JSON (dicts, lists, scalars), made without recursion."""
+    def shell(v):
+        return {} if isinstance(v, dict) else [] if isinstance(v, list) else v
+
+    root = shell(value)
+    stack = [(value, root)]
+    while stack:
+        source, target = stack.pop()
+        items = source.items() if isinstance(source, dict) else enumerate(source)
+        for key, v in items:
+            copy = shell(v)
+            if isinstance(target, dict):
+                target[key] = copy
+            else:
+                target.append(copy)
+            if copy is not v:
+                stack.append((v, copy))
+    return root

@@ -407,7 +407,9 @@ def _schema(value, field: str) -> dict:
     if LARK_KEY in value:  # how the runner tells a Lark grammar from a schema
         raise APIError(400, f"{field}: {LARK_KEY!r} is reserved by this server, not a JSON-schema keyword; for a "
                        "grammar give guided_grammar", field.split(".")[0])
-    return value
+    from runner.schema import closed_objects
+
+    return closed_objects(value)  # objects closed unless the schema opens them, as vLLM's default backend
 
 
 class CompletionRequest(_Body):
@@ -539,8 +541,7 @@ def checked_tools(tools: Optional[list]) -> dict[str, tuple[int, dict]]:
         if not isinstance(parameters, dict) or parameters.get("type") != "object":
             raise APIError(400, f"{field}.function.parameters: expected a JSON schema of type 'object', got "
                            f"{_short(parameters)}", f"{field}.function.parameters")
-        _schema(parameters, f"{field}.function.parameters")  # the reserved key refused
-        out[name] = (i, parameters)
+        out[name] = (i, _schema(parameters, f"{field}.function.parameters"))  # closed; the reserved key refused
     return out
 
 
@@ -704,6 +705,8 @@ class ChatCompletionRequest(_Body):
         calls = self.tool_calls()
         if calls is not None:
             calls.check()
+            if self.response_format not in (None, {"type": "text"}):  # set aside, still checked
+                self._json_constraint("response_format", self.response_format)
         _check_template_options(self)
 
     def tool_mode(self) -> tuple[str, Optional[str]]:
@@ -748,7 +751,13 @@ class ChatCompletionRequest(_Body):
         return ToolCalls(self.checked_tools(), name, self.parallel_tool_calls is not False, self.json_options())
 
     def _guided_fields(self) -> list[str]:
-        return super()._guided_fields() + (["tool_choice"] if self.tool_mode()[0] != "none" else [])
+        given = super()._guided_fields()
+        if self.tool_mode()[0] == "none":
+            return given
+        # A forced call takes precedence over response_format for this turn, as in vLLM: the OpenAI
+        # Agents SDK sends both when an agent has tools and an output type (its final answer is a
+        # later turn's). Any other structured output beside a forced call is a conflict (a 400).
+        return [name for name in given if name != "response_format"] + ["tool_choice"]
 
     def _json_output(self) -> bool:
         return super()._json_output() or self._guided_fields()[:1] == ["tool_choice"]

@@ -234,9 +234,92 @@ def test_tool_choice_auto_and_bad_tools_are_400s_naming_the_field(served):
                  "a": {"type": "nonsense"}}}}}], "tools[0].function.parameters", "nonsense")]
     for tools, param, word in cases:
         refused(chat(live, tools=tools, tool_choice="required"), param, word)
-    # one structured output a request
-    refused(chat(live, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
-            "tool_choice", "response_format", "tool_choice")
+    # one structured output a request: a forced call sets response_format aside (as vLLM), not others
+    refused(chat(live, tools=TOOLS, tool_choice="required", guided_json=PERSON), "tool_choice", "guided_json",
+            "tool_choice")
+    refused(chat(live, tools=TOOLS, tool_choice="required", response_format={"type": "xml"}), "response_format",
+            "'xml'")
+
+
+# ---- schemas as agent libraries send them (issue 51) -----------------------------------------------
+# pydantic's model_json_schema() of a model with two bounded fields, as instructor and LangChain
+# send it: nothing says whether other keys are allowed
+OPEN_PERSON = {"title": "Person", "type": "object", "properties": {
+    "name": {"title": "Name", "type": "string", "maxLength": 12},
+    "age": {"title": "Age", "type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]}
+
+
+def test_objects_are_closed_unless_the_schema_opens_them(served, client):
+    """As vLLM's default backend (xgrammar) compiles a schema: an object takes the keys it lists,
+    so a prose model cannot append keys of its own until max_tokens; in every place a schema
+    enters. The runner's constraint is closed, and every answer has exactly the listed keys."""
+    closed = dict(OPEN_PERSON, additionalProperties=False)
+    _, live = served
+    body = ChatCompletionRequest(model=MODEL, messages=MESSAGES,
+                                 response_format={"type": "json_schema", "json_schema": {"name": "p",
+                                                                                         "schema": OPEN_PERSON}})
+    assert body.json_schema()["additionalProperties"] is False
+    asks = [{"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": OPEN_PERSON}}},
+            {"guided_json": OPEN_PERSON}, {"structured_outputs": {"json": OPEN_PERSON}}]
+    for fields in asks:
+        for seed in range(3):
+            r = chat(live, max_tokens=60, temperature=1.0, seed=seed, **fields)
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "stop", (fields, choice)
+            jsonschema.validate(json.loads(choice["message"]["content"]), closed)
+    tool = [{"type": "function", "function": {"name": "person", "parameters": OPEN_PERSON}}]
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tool, seed=seed, max_tokens=60,
+                                           temperature=1.0, tool_choice={"type": "function",
+                                                                         "function": {"name": "person"}})
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), closed)
+    # json_object stays any object; an object the schema opens stays open
+    assert ChatCompletionRequest(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"}
+                                 ).json_schema()["type"] == "object"
+    opened = {"type": "object", "properties": {"tags": {"type": "object", "additionalProperties": {"type": "integer"}}}}
+    assert ChatCompletionRequest(model=MODEL, messages=MESSAGES, guided_json=opened).json_schema()[
+        "properties"]["tags"]["additionalProperties"] == {"type": "integer"}
+
+
+def test_closing_objects_follows_every_subschema_and_leaves_all_of_alone():
+    from runner.schema import closed_objects
+
+    schema = {"type": "object", "properties": {
+        "items": {"type": "array", "items": {"$ref": "#/$defs/Item"}},
+        "maybe": {"anyOf": [{"type": "object", "properties": {"a": {}}}, {"type": "null"}]},
+        "free": {"type": "object", "additionalProperties": True},
+        "pattern": {"type": "object", "patternProperties": {"^x": {}}},
+        "both": {"allOf": [{"type": "object", "properties": {"a": {}}}, {"properties": {"b": {}}}]}},
+        "$defs": {"Item": {"properties": {"n": {"type": ["object", "null"], "properties": {}}}}}}
+    closed = closed_objects(schema)
+    assert "additionalProperties" not in json.dumps(schema).replace('"additionalProperties": true', "")  # a copy
+    assert closed["additionalProperties"] is False
+    assert closed["$defs"]["Item"]["additionalProperties"] is False
+    assert closed["$defs"]["Item"]["properties"]["n"]["additionalProperties"] is False
+    assert closed["properties"]["maybe"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["properties"]["free"]["additionalProperties"] is True
+    assert "additionalProperties" not in closed["properties"]["pattern"]
+    assert all("additionalProperties" not in m for m in closed["properties"]["both"]["allOf"])
+    deep = current = {}
+    for _ in range(3000):  # no recursion (the depth is the runner's to refuse)
+        current["properties"] = {"x": {}}
+        current = current["properties"]["x"]
+    assert closed_objects(deep)["additionalProperties"] is False
+
+
+def test_response_format_beside_a_forced_tool_call_gives_the_call(client):
+    """The OpenAI Agents SDK sends response_format (its output type) with tools and tool_choice
+    'required': the call is what is generated, as vLLM does."""
+    output = {"type": "json_schema", "json_schema": {"name": "final", "schema": OPEN_PERSON, "strict": True}}
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                           response_format=output, parallel_tool_calls=False, seed=2,
+                                           max_tokens=120)
+        answer = r.choices[0]
+        assert answer.finish_reason == "tool_calls" and answer.message.content is None, answer
+        [call] = answer.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
 def test_tool_results_in_the_conversation_reach_the_template(served):
