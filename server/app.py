@@ -42,7 +42,7 @@ import re
 import tempfile
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import pydantic
 from fastapi import FastAPI, Request as HTTPRequest
@@ -60,6 +60,7 @@ from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                              TokenizeRequest, bad_request)
 from server.choices import SHUTDOWN, Choice, Sink, usage_of
 from server.responses import ChatShape, CompletionShape
+from server.responses_api import ResponsesRequest, ResponsesShape
 
 log = logging.getLogger("grok_runner.server")
 
@@ -342,6 +343,13 @@ class Server:
                 body = await self._parse(request, ChatCompletionRequest, turn)
                 return await self._chat(body, request, arrived, turn)
 
+        @app.post("/v1/responses")
+        async def responses(request: HTTPRequest):
+            arrived = time.perf_counter()
+            with _Turn(self._large_bodies) as turn:
+                body = await self._parse(request, ResponsesRequest, turn)
+                return await self._responses(body, request, arrived, turn)
+
         @app.post("/tokenize")
         async def tokenize(request: HTTPRequest):
             with _Turn(self._large_bodies) as turn:  # all of it: the ids of a long text are its largest part
@@ -585,9 +593,13 @@ class Server:
         client = "%s:%d" % http.client if http.client else "a client"
         log.info("%s disconnected before its answer to %s; %d request(s) cancelled", client, http.url.path, requests)
 
-    async def _stream(self, choices, sinks, top, arrived, chunk, usage, http: HTTPRequest):
-        """SSE: every choice's pieces as ``chunk(choice, piece, first)`` dicts, then the usage chunk
-        (when asked) and ``[DONE]``. A disconnect cancels every choice's request."""
+    async def _stream(self, choices, sinks, top, arrived, chunk, usage, http: HTTPRequest,
+                      frame: Callable[[dict], str] = lambda item: f"data: {json.dumps(item)}\n\n",
+                      done: str = "data: [DONE]\n\n"):
+        """SSE: every choice's pieces as ``chunk(choice, piece, first)`` dicts (or lists of them),
+        then the usage chunk (when asked) and ``done``, each dict as ``frame`` writes it (the chat
+        API's ``data:`` lines; the Responses API's named events). A disconnect cancels every
+        choice's request."""
         out: asyncio.Queue = asyncio.Queue()
 
         async def pump(choice, sink):
@@ -595,7 +607,9 @@ class Server:
             try:
                 async for piece in self._events(choice, sink, top, arrived):
                     if piece or choice.done or first:
-                        await out.put(chunk(choice, piece, first))
+                        made = chunk(choice, piece, first)
+                        for item in made if isinstance(made, list) else [made]:
+                            await out.put(item)
                         first = False
             except APIError as e:
                 await out.put({"error": e.body()["error"]})
@@ -612,10 +626,13 @@ class Server:
                     if item is None:
                         open_ -= 1
                         continue
-                    yield f"data: {json.dumps(item)}\n\n"
+                    yield frame(item)
                 if usage is not None:
-                    yield f"data: {json.dumps(usage())}\n\n"
-                yield "data: [DONE]\n\n"
+                    made = usage()
+                    for item in made if isinstance(made, list) else [made]:
+                        yield frame(item)
+                if done:
+                    yield done
                 complete = True
             finally:  # the client went away (or we are done): no request outlives its response
                 if not complete and any(not t.done() for t in tasks):
@@ -686,8 +703,9 @@ class Server:
         chunks (with the usage chunk when asked), or whole once every choice has ended."""
         http.state.request_id = shape.id  # for the access log
         if body.stream:
-            final = shape.final if body.include_usage() else None
-            return await self._stream(choices, sinks, top, arrived, shape.chunk, final, http)
+            final = shape.final if body.include_usage() or getattr(shape, "final_always", False) else None
+            framing = {"frame": shape.frame, "done": shape.done} if hasattr(shape, "frame") else {}
+            return await self._stream(choices, sinks, top, arrived, shape.chunk, final, http, **framing)
         await self._run_all(choices, sinks, top, arrived, http)
         return shape.response(choices)
 
@@ -702,7 +720,10 @@ class Server:
                            f"tokens scored (--max-scored-tokens), got {total}", "echo")
 
     # ---- chat ----------------------------------------------------------------------------------------
-    async def _chat(self, body: ChatCompletionRequest, http: HTTPRequest, arrived: float, turn: "_Turn"):
+    async def _chat(self, body: ChatCompletionRequest, http: HTTPRequest, arrived: float, turn: "_Turn",
+                    shape_of=None):
+        """A chat completion, answered in ``ChatShape`` (or ``shape_of(usage)``'s shape: the
+        Responses API's)."""
         body.check()
         self._check_capacity(body.n, "n")
         prompt = await asyncio.to_thread(self._render, body)
@@ -716,5 +737,17 @@ class Server:
         (ids,), runs = await asyncio.to_thread(self._prepare, [prompt], make_runs, names)
         turn.release()  # the body is ids now
         choices, sinks = await self._start(runs, names, len(ids), body.n)
-        shape = ChatShape(body, self.model_name, self.runner.tokenizer, lambda: usage_of(len(ids), choices, body.n))
+        usage = lambda: usage_of(len(ids), choices, body.n)  # noqa: E731
+        shape = (ChatShape(body, self.model_name, self.runner.tokenizer, usage) if shape_of is None
+                 else shape_of(usage))
         return await self._answer(body, shape, choices, sinks, body.top_logprobs or 0, arrived, http)
+
+    # ---- the Responses API ---------------------------------------------------------------------------
+    async def _responses(self, request: ResponsesRequest, http: HTTPRequest, arrived: float, turn: "_Turn"):
+        """A Responses API request, served as the chat completion it asks for (``server.responses_api``)."""
+        try:
+            body = request.chat()
+            return await self._chat(body, http, arrived, turn,
+                                    shape_of=lambda usage: ResponsesShape(request, body, self.model_name, usage))
+        except APIError as e:
+            raise ResponsesRequest.renamed(e) from None
