@@ -13,7 +13,7 @@ import numpy as np
 
 from runner import Request
 from runner.requests import Speculation
-from server.protocol import APIError, bad_request
+from server.errors import APIError, bad_request
 
 SHUTDOWN = object()  # put in a sink when the server ends the requests still in flight
 

@@ -88,7 +88,7 @@ class ChatShape:
     """``chat.completion`` objects (``chat.completion.chunk`` streamed): the assistant's message,
     and with ``logprobs`` each token's name, log-probability, bytes and alternatives.
 
-    A forced tool call (``body.tool_calls()``, ``server.protocol.ToolCalls``) is answered as
+    A forced tool call (``body.tool_calls()``, ``server.tools.ToolCalls``) is answered as
     OpenAI answers one: ``content`` null, ``tool_calls`` (each with an id of its own, its function's
     name and its arguments as JSON text), finish reason "tool_calls" once every call is complete
     ("length" or "stop" where a limit or a stop string cut it: its arguments as far as they got).

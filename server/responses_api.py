@@ -27,7 +27,8 @@ from typing import Any, Callable, Optional, Union
 
 from pydantic import Field, ValidationError
 
-from server.protocol import APIError, ChatCompletionRequest, _short, _Tolerant
+from server.errors import APIError, short
+from server.protocol import ChatCompletionRequest, _Tolerant
 
 # Fields that ask for nothing only with these values: name -> (the values, what it would ask for)
 _REFUSED = {
@@ -71,7 +72,7 @@ class ResponsesRequest(_Tolerant):
         for name, (allowed, what) in _REFUSED.items():
             value = (self.model_extra or {}).get(name)
             if value is not None and value not in allowed:
-                raise APIError(400, f"{name}: {what} is not supported by this server, got {_short(value)}", name)
+                raise APIError(400, f"{name}: {what} is not supported by this server, got {short(value)}", name)
         unknown = set(self.stream_options or ()) - {"include_obfuscation"}
         if unknown:
             raise APIError(400, f"stream_options: unknown option(s) {sorted(unknown)}", "stream_options")
@@ -105,7 +106,7 @@ class ResponsesRequest(_Tolerant):
         for i, item in enumerate(self.input):
             field = f"input[{i}]"
             if not isinstance(item, dict):
-                raise APIError(400, f"{field}: expected a message or a function call item, got {_short(item)}", field)
+                raise APIError(400, f"{field}: expected a message or a function call item, got {short(item)}", field)
             kind = item.get("type", "message")
             if kind == "message":
                 out.append({"role": item.get("role"), "content": _text(item.get("content"), field)})
@@ -123,7 +124,7 @@ class ResponsesRequest(_Tolerant):
                             "content": output if isinstance(output, str) else _text(output, f"{field}.output")})
             else:
                 raise APIError(400, f"{field}.type: only 'message', 'function_call' and 'function_call_output' "
-                               f"items are supported, got {_short(kind)}", f"{field}.type")
+                               f"items are supported, got {short(kind)}", f"{field}.type")
         return out
 
     def _format(self) -> Optional[dict]:
@@ -133,14 +134,14 @@ class ResponsesRequest(_Tolerant):
         if unknown:
             raise APIError(400, f"text: unknown option(s) {sorted(unknown)}", "text")
         if self.text.get("verbosity") not in (None, "medium"):
-            raise APIError(400, f"text.verbosity: {_short(self.text['verbosity'])} is not supported by this server "
+            raise APIError(400, f"text.verbosity: {short(self.text['verbosity'])} is not supported by this server "
                            "(the model has one verbosity)", "text.verbosity")
         spec = self.text.get("format")
         if spec is None or spec == {"type": "text"}:
             return None
         if not isinstance(spec, dict) or spec.get("type") not in ("json_object", "json_schema"):
             raise APIError(400, f"text.format: expected type 'text', 'json_object' or 'json_schema', got "
-                           f"{_short(spec)}", "text.format")
+                           f"{short(spec)}", "text.format")
         if spec["type"] == "json_object":
             return {"type": "json_object"}
         if not isinstance(spec.get("schema"), dict):
@@ -156,7 +157,7 @@ class ResponsesRequest(_Tolerant):
         for i, tool in enumerate(self.tools):
             if not isinstance(tool, dict) or tool.get("type") != "function":
                 kind = tool.get("type") if isinstance(tool, dict) else tool
-                raise APIError(400, f"tools[{i}].type: only 'function' tools are supported, got {_short(kind)}",
+                raise APIError(400, f"tools[{i}].type: only 'function' tools are supported, got {short(kind)}",
                                f"tools[{i}].type")
             out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
         return out
@@ -186,14 +187,14 @@ def _text(content, field: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{field}.content: expected text or a list of input_text parts, got {_short(content)}",
+        raise APIError(400, f"{field}.content: expected text or a list of input_text parts, got {short(content)}",
                        f"{field}.content")
     parts = []
     for j, part in enumerate(content):
         if not (isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text")
                 and isinstance(part.get("text"), str)):
             kind = part.get("type") if isinstance(part, dict) else part
-            raise APIError(400, f"{field}.content[{j}]: only text parts are supported, got {_short(kind)}",
+            raise APIError(400, f"{field}.content[{j}]: only text parts are supported, got {short(kind)}",
                            f"{field}.content[{j}]")
         parts.append(part["text"])
     return "".join(parts)
@@ -202,7 +203,7 @@ def _text(content, field: str) -> str:
 def _string(item: dict, key: str, field: str) -> str:
     value = item.get(key)
     if not isinstance(value, str):
-        raise APIError(400, f"{field}.{key}: expected a string, got {_short(value)}", f"{field}.{key}")
+        raise APIError(400, f"{field}.{key}: expected a string, got {short(value)}", f"{field}.{key}")
     return value
 
 

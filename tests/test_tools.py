@@ -16,7 +16,8 @@ import pytest
 from runner import grammar
 from server import Server
 from server.chat import ChatTemplate
-from server.protocol import CallReader, ChatCompletionRequest, CompletionRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.tools import CallReader
 from tests.test_server import LiveServer
 
 MODEL = "austen-moe"
