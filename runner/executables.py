@@ -122,6 +122,10 @@ class ExecutableStore:
     def _file(self, name: str) -> Path:
         return self.path / (hashlib.sha256(name.encode()).hexdigest()[:32] + ".exe")
 
+    def holds(self, name: str) -> bool:
+        """Whether a step is stored as ``name`` (it may still prove unreadable when loaded)."""
+        return self._file(name).is_file()
+
     def load(self, name: str):
         """The ``jax.stages.Compiled`` stored as ``name``, or None (absent or unreadable)."""
         from jax.experimental.serialize_executable import deserialize_and_load

@@ -171,9 +171,10 @@ class InferenceRunner:
         startup = startup or Startup.quiet()
         with startup.phase("compile"):
             done = self.engine.compile(self.score_prompts, self.compile_cache, startup)
-        startup.note("compile", f"{done['loaded'] + done['compiled']} steps: {done['loaded']} loaded, "
-                                f"{done['compiled']} compiled")
-        return done["loaded"] + done["compiled"]
+        later = f", {done['later']} loading after the start" if done["later"] else ""
+        startup.note("compile", f"{done['loaded'] + done['compiled'] + done['later']} steps: {done['loaded']} "
+                                f"loaded, {done['compiled']} compiled{later}")
+        return done["loaded"] + done["compiled"] + done["later"]
 
     def compile_ahead(self, startup: Optional[Startup] = None) -> dict:
         """Compile every step a server of these settings builds (``compile``) into
@@ -193,7 +194,7 @@ class InferenceRunner:
             done = engine.compile(self.score_prompts, self.compile_cache, startup)
         startup.note("compile", f"{done['loaded'] + done['compiled']} steps: {done['loaded']} already stored, "
                                 f"{done['compiled']} compiled")
-        return done
+        return {"loaded": done["loaded"], "compiled": done["compiled"]}  # nothing is left for later here
 
     def _check_pad_sizes(self, sequence_len: int) -> tuple[int, ...]:
         s = sequence_len

@@ -10,6 +10,7 @@ from backends import XLA
 from model import TINY, forward, init_params
 from runner import InferenceRunner, ModelRunner, Request, sample_from_model
 from runner.compile_count import compilations
+from runner.startup import Startup
 from runner.batches import empty_batch
 from tests.helpers import lively
 
@@ -267,6 +268,39 @@ def test_nothing_compiles_while_serving_any_feature(params, test_tokenizer):
     assert r.engine.scheduler.prefix.queries > 0
     r.generate([prompt_ids(42, 30)] * 2, max_len=3)  # the prefix cache's blocks, read
     assert compilations() == before
+
+
+def test_a_warm_start_loads_the_scoring_prefills_after_it_and_scores_alike(params, test_tokenizer, tmp_path):
+    """A start from a store that holds every step loads the prefills that score prompts on a
+    thread of their own after it (only echo with logprobs calls them); a scoring request then
+    gets the scores of a start that loaded everything, and nothing compiles."""
+    def make():
+        return InferenceRunner(runner=ModelRunner(model=CONFIG, params=params), batch_size=4, pad_sizes=PAD_SIZES,
+                               tokenizer_path=test_tokenizer, max_num_batched_tokens=BUDGET, score_prompts=True,
+                               compile_cache=str(tmp_path))
+
+    def scores(r):
+        events = list(r.run([Request(prompt_ids(40, 20), prompt_logprobs=2, temperature=0.0, max_len=3)]))
+        scored = next(e.prompt_logprobs for e in events if e.prompt_logprobs is not None)
+        return [(e.token_id, e.logprob) for e in scored], [e.token_id for e in events]
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        first = make().initialize()  # compiles every step, scoring ones included, and stores them
+        assert not first.engine.executor._loading
+        want = scores(first)
+        second = make()
+        startup = Startup.quiet()
+        second.initialize(startup=startup)
+        loading = second.engine.executor._loading
+        assert loading and all(key[0] == "prefill" and key[3] for key in loading), sorted(loading)
+        assert f"{len(loading)} loading after the start" in startup.notes["compile"]
+        compilations()
+        before = compilations()
+        assert scores(second) == want
+        assert compilations() == before
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
 
 
 def test_stop_strings_end_a_request_in_the_runner(runner):
