@@ -325,26 +325,20 @@ class Server(Flows):
                                                 "owned_by": "grok1-jax-runner",
                                                 "max_model_len": self.runner.config.sequence_len}]}
 
-        @app.post("/v1/completions")
-        async def completions(request: HTTPRequest):
-            arrived = time.perf_counter()
-            with _Turn(self._large_bodies) as turn:
-                body = await self._parse(request, CompletionRequest, turn)
-                return await self._completions(body, request, arrived, turn)
+        def generating(path: str, model, flow, name: str) -> None:
+            """A route that generates: its body parsed as ``model`` (a large one in its turn),
+            then run and answered by ``flow`` (``server/flows.py``)."""
+            async def endpoint(request: HTTPRequest):
+                arrived = time.perf_counter()
+                with _Turn(self._large_bodies) as turn:
+                    body = await self._parse(request, model, turn)
+                    return await flow(body, request, arrived, turn)
 
-        @app.post("/v1/chat/completions")
-        async def chat(request: HTTPRequest):
-            arrived = time.perf_counter()
-            with _Turn(self._large_bodies) as turn:
-                body = await self._parse(request, ChatCompletionRequest, turn)
-                return await self._chat(body, request, arrived, turn)
+            app.post(path, name=name)(endpoint)
 
-        @app.post("/v1/responses")
-        async def responses(request: HTTPRequest):
-            arrived = time.perf_counter()
-            with _Turn(self._large_bodies) as turn:
-                body = await self._parse(request, ResponsesRequest, turn)
-                return await self._responses(body, request, arrived, turn)
+        generating("/v1/completions", CompletionRequest, self._completions, "completions")
+        generating("/v1/chat/completions", ChatCompletionRequest, self._chat, "chat")
+        generating("/v1/responses", ResponsesRequest, self._responses, "responses")
 
         @app.post("/tokenize")
         async def tokenize(request: HTTPRequest):
