@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+
 from model.memory import write_kv
 
 
@@ -18,6 +20,13 @@ class Backend:
     def describe(self) -> str:
         """One line: which backend and what it runs on its own kernels."""
         return self.name
+
+    def take_layer(self, w, layer):
+        """Layer ``layer`` (a traced index) of a stacked parameter ``w`` (``[L, ...]``, or a pytree
+        of such): what the ``"indexed"`` stack (``model.transformer.Transformer``) hands a layer.
+        A slice here; a backend whose kernels read a stacked weight in place hands those over
+        whole, with the index."""
+        return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), w)
 
     def matmul(self, x, w, dtype):
         raise NotImplementedError

@@ -39,7 +39,8 @@ class XLA(Backend):
     grouped: str = "ragged"
     # How the decoder stack runs (``model.transformer.Transformer``): "scan", one layer compiled
     # and looped over the stacked parameters (the canonical tree); "unrolled", each layer its own
-    # code over its own parameters, which ``prepare`` holds apart.
+    # code over its own parameters, which ``prepare`` holds apart; "indexed", one layer compiled
+    # and looped over the layer index, each stacked parameter taken by ``take_layer``.
     layers: str = "scan"
     name = "xla"
 

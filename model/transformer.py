@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 
 import flax.linen as nn
 import flax.struct
@@ -77,7 +78,7 @@ class LanguageModelHead(nn.Module):
         return logits_BTV
 
 
-LAYERS = ("scan", "unrolled")  # how the decoder stack runs (a backend's ``layers``)
+LAYERS = ("scan", "unrolled", "indexed")  # how the decoder stack runs (a backend's ``layers``)
 
 
 class Transformer(nn.Module):
@@ -87,7 +88,10 @@ class Transformer(nn.Module):
     carried through the loop and written in place. ``"unrolled"`` (a backend's choice, made in its
     ``prepare``, which holds each layer's parameters apart as ``transformer/decoder_layer_<i>``):
     a Python loop of ``num_layers`` blocks, for a backend whose kernels read a slice of a stacked
-    weight only through a copy (``backends.cpu``)."""
+    weight only through a copy. ``"indexed"`` (``backends.cpu`` where its kernels hold the big
+    weights): one layer compiled and looped over the layer index (``jax.lax.scan``), each
+    parameter of the stack taken by the backend's ``take_layer``, which hands a kernel's weight
+    over whole with the index (read in place) where ``nn.scan`` would slice it (a copy)."""
 
     config: ModelConfig
     backend: object
@@ -96,7 +100,10 @@ class Transformer(nn.Module):
     def __call__(self, h_BTD, *, positions_BT, mask_BTS, memory: KVMemory | None, valid_BT=None, rows_BT=None):
         c = self.config
         carry = (h_BTD, None if memory is None else (memory.k, memory.v))
-        if getattr(self.backend, "layers", "scan") == "unrolled":
+        how = getattr(self.backend, "layers", "scan")
+        if how == "indexed" and not self.is_initializing():
+            return self._indexed(carry, positions_BT, mask_BTS, valid_BT, rows_BT)
+        if how == "unrolled":
             for i in range(c.num_layers):
                 with jax.named_scope(f"decoder_layer_{i}"):
                     carry, _ = DecoderLayer(c, self.backend, name=f"decoder_layer_{i}")(
@@ -107,6 +114,28 @@ class Transformer(nn.Module):
                         length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
         carry, _ = stack(c, self.backend, name="layers")(
             carry, jnp.arange(c.num_layers, dtype=jnp.int32), positions_BT, mask_BTS, valid_BT, rows_BT)
+        return carry
+
+    def _indexed(self, carry, positions_BT, mask_BTS, valid_BT, rows_BT):
+        """The ``"indexed"`` stack: a loop over the layer index whose body applies one
+        ``DecoderLayer`` to the stack's parameters taken at that index (``backend.take_layer``);
+        the intermediates, when collected, come out stacked as ``nn.scan`` sows them."""
+        stack = self.variables["params"]["layers"]
+        block = DecoderLayer(self.config, self.backend, parent=None)
+        collect = self.is_mutable_collection("intermediates")
+
+        def body(carry, layer):
+            params = jax.tree_util.tree_map(lambda w: self.backend.take_layer(w, layer), stack,
+                                            is_leaf=lambda x: not isinstance(x, Mapping))
+            args = (carry, layer, positions_BT, mask_BTS, valid_BT, rows_BT)
+            if not collect:
+                return block.apply({"params": params}, *args)[0], None
+            (carry, _), state = block.apply({"params": params}, *args, mutable=["intermediates"])
+            return carry, state["intermediates"]
+
+        carry, sown = jax.lax.scan(body, carry, jnp.arange(self.config.num_layers, dtype=jnp.int32))
+        if collect and sown:
+            self.put_variable("intermediates", "layers", sown)
         return carry
 
 

@@ -21,3 +21,13 @@ def lively(params, factor: float = 30.0):
         for name in ("rms_norm_1", "rms_norm_3"):
             layer[name]["scale"] = layer[name]["scale"] * factor
     return params
+
+
+def first_layer(params):
+    """Layer 0's parameters, in a backend's layout or canonical: held apart (``decoder_layer_0``,
+    an unrolled stack) or taken from the stacked layers (``layers``: scan, indexed), each layout
+    type kept (a stacked ``PanelWeight``'s layer 0 is a ``PanelWeight``)."""
+    tree = params["transformer"]
+    if "decoder_layer_0" in tree:
+        return tree["decoder_layer_0"]
+    return jax.tree_util.tree_map(lambda a: a[0], tree["layers"])

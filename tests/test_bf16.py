@@ -19,6 +19,7 @@ from backends.cpu import CPU, OPERATIONS, build, ops
 from backends.cpu.layout import prepare
 from model.quant import dequantize, quantize, quantize_params
 from tests import COMPILE_FAST
+from tests.helpers import first_layer
 
 needs_kernel = pytest.mark.skipif(not build.available(), reason=f"kernels unavailable: {build.unavailable_reason()}")
 
@@ -156,13 +157,13 @@ def test_bf16_activations_hold_float_weights_in_bf16_panels(tiny_params):
     """``prepare`` for bf16 activations: the experts, projections and embedding in bf16 panels of
     row pairs; int8 weights no kernel takes dequantised to bf16 (not float32)."""
     held = CPU(on=frozenset(OPERATIONS), dtype="bfloat16").prepare(tiny_params)
-    layer = held["transformer"]["decoder_layer_0"]
+    layer = first_layer(held)
     assert isinstance(layer["moe"]["linear"]["w"], ops.Bf16PanelWeight)
     assert isinstance(layer["multi_head_attention"]["query"]["w"], ops.Bf16PanelWeight)
     assert held["language_model"]["in_out_embed"]["embeddings"].dtype == jnp.bfloat16
     int8 = jax.tree_util.tree_map_with_path(
         lambda path, w: quantize(w) if "moe/linear/" in jax.tree_util.keystr(path) else w, tiny_params)
-    split = CPU(dtype="bfloat16").prepare(int8)["transformer"]["decoder_layer_0"]["moe"]["linear"]["w"]
+    split = first_layer(CPU(dtype="bfloat16").prepare(int8))["moe"]["linear"]["w"]
     assert all(e.dtype == jnp.bfloat16 for e in split.experts)
 
 
@@ -251,7 +252,7 @@ def test_the_bf16_runner_decodes_what_the_model_does(bf16_runner):
     model = bf16_runner.engine.executor
     assert model.config.fprop_dtype == "bfloat16" and bf16_runner.state.memory.k.dtype == jnp.bfloat16
     assert model.selection.backend.on == frozenset(OPERATIONS) and model.selection.backend.dtype == "bfloat16"
-    weight = model.params["transformer"]["decoder_layer_0"]["moe"]["linear"]["w"]
+    weight = first_layer(model.params)["moe"]["linear"]["w"]
     assert isinstance(weight, ops.Int8PanelWeight if model.spec.quantize else ops.Bf16PanelWeight)
     for i, length in enumerate((5, 19, 40)):
         prompt = prompt_ids(700 + i, length)
@@ -260,8 +261,23 @@ def test_the_bf16_runner_decodes_what_the_model_does(bf16_runner):
         rows[0, :length] = prompt
         logits, _ = _decode(model.params, jnp.asarray(rows), config=model.config, prompt=length, kv_dtype="bfloat16",
                             greedy=True, backend=model.selection.backend)
-        want = np.asarray(logits)[0].argmax(-1)[:10].tolist()
-        assert got == want[: len(got)] and (len(got) == 10 or got[-1] == CONFIG.eos_token), (i, got, want)
+        rows = np.asarray(logits, np.float32)[0]
+        want = rows.argmax(-1)[:10].tolist()
+        assert len(got) == 10 or got[-1] == CONFIG.eos_token, (i, got)
+        assert_greedy_until_a_near_tie(got, want, rows, (i, got, want))
+
+
+def assert_greedy_until_a_near_tie(got: list[int], want: list[int], logits, context):
+    """``got`` equals the greedy ``want`` token for token, unless the two part at a token whose
+    logit the model's own puts within 2 bf16 steps of its best (after which each follows its own
+    text): the runner's calls (packed chunks, other batch shapes) round bf16 products differently
+    from one whole-prompt call, which can flip a near tie (seen on an AVX2 EPYC, where the bf16
+    kernels widen to float32: 0.072 apart at a logit of 9.5, whose bf16 step is 0.0625)."""
+    for j, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            step = 2.0 ** (np.floor(np.log2(np.abs(logits[j]).max())) - 7)
+            assert logits[j, b] - logits[j, a] <= 2 * step, (j, logits[j, b] - logits[j, a], step, context)
+            return
 
 
 def test_bf16_requests_keep_their_tokens_among_neighbours_and_across_the_prefix_cache(bf16_runner):
@@ -298,9 +314,13 @@ def test_the_shipped_model_in_bf16_keeps_its_float32_greedy_text(shipped, way): 
     or the shipped int8 weights read as int8 with bf16 activations) beside float32's (XLA, the
     weights dequantised to float32). Teacher-forced on float32's text, bf16's logits stay within
     measured bounds and pick the same token nearly everywhere; free-running, a continuation
-    follows float32's until a near-tie flips a token, then its own way (measured on an AMD EPYC
-    with AVX512-BF16, both ways alike: 63.5% of the free-running tokens equal float32's, the
-    forced logits within 0.043 of the largest, 97.9% of the forced argmaxes equal)."""
+    follows float32's until a near-tie flips a token, then its own way: where it parts, float32's
+    own logits put the two tokens within 1% of the largest logit. (Measured on an AMD EPYC with
+    AVX512-BF16: the forced logits within 0.043 of the largest, 97.9% of the forced argmaxes equal,
+    63.5% of the free-running tokens equal float32's; on an AVX2 EPYC, the layers one loop: 0.046
+    and 0.029, 97.9-98.2%, 48-58% free-running, parting where float32's margin was 0.05-0.23%.
+    How much of a free-running text follows float32's depends on where the first near-tie falls,
+    so it is printed, not bounded.)"""
     from backends import XLA
 
     config, params, tokenizer = shipped
@@ -324,5 +344,12 @@ def test_the_shipped_model_in_bf16_keeps_its_float32_greedy_text(shipped, way): 
     forced = np.asarray(forced)[:, :96]
     diff = np.abs(forced - f32[:, :96])
     worst, agree = diff.max() / np.abs(f32).max(), (forced.argmax(-1) == greedy_f32).mean()
-    print(f"{way}: free-running agreement {free:.3f}, forced worst {worst:.4f}, forced argmax agreement {agree:.3f}")
-    assert free >= 0.55 and worst < 0.06 and agree >= 0.96, (free, worst, agree)
+    parted = []  # where each free-running continuation leaves float32's: float32's margin there, relative
+    for row in range(4):
+        apart = np.flatnonzero(greedy_f32[row] != greedy_b16[row])
+        if apart.size:
+            j = apart[0]
+            parted.append((f32[row, j, greedy_f32[row, j]] - f32[row, j, greedy_b16[row, j]]) / np.abs(f32).max())
+    print(f"{way}: free-running agreement {free:.3f}, forced worst {worst:.4f}, forced argmax agreement {agree:.3f}, "
+          f"parted at margins {np.round(parted, 4)}")
+    assert worst < 0.06 and agree >= 0.96 and all(m < 0.01 for m in parted), (free, worst, agree, parted)

@@ -17,6 +17,7 @@ from backends.cpu.layout import ExpertWeights
 from model import TINY
 from runner import Executor, ModelRunner
 from tests import COMPILE_FAST
+from tests.helpers import first_layer
 
 needs_kernel = pytest.mark.skipif(not build.available(), reason=f"CPU kernels: {build.unavailable_reason()}")
 
@@ -73,7 +74,7 @@ def test_the_runner_declines_a_kernel_the_calibration_finds_slower(tiny_params, 
     engine = Executor.create(engine)
     assert measure.calls == 1
     assert engine.selection.backend.on == set(OPERATIONS) - slower, engine.backend_report()
-    layer = engine.params["transformer"]["decoder_layer_0"]
+    layer = first_layer(engine.params)
     assert isinstance(layer["moe"]["linear"]["w"], ExpertWeights)  # XLA's layout for the slower MoE
     assert isinstance(layer["multi_head_attention"]["query"]["w"], panel.PanelWeight)  # the faster projections
     assert not isinstance(engine.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)

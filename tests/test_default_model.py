@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.helpers import REPO, SHARED_DATA
+from tests.helpers import REPO, SHARED_DATA, first_layer
 
 DEFAULT = REPO / "checkpoints" / "austen-moe"
 
@@ -80,7 +80,7 @@ def test_the_shipped_int8_weights_are_read_as_int8_with_the_dequantised_logits()
     for runner in runners:
         runner = runner.initialize(warmup=False)  # only the variants the test uses are compiled
     int8, floats = (runner.engine.executor for runner in runners)
-    layer = int8.params["transformer"]["decoder_layer_0"]
+    layer = first_layer(int8.params)
     assert isinstance(layer["moe"]["linear"]["w"], ops.Int8PanelWeight)
     assert isinstance(layer["multi_head_attention"]["value"]["w"], ops.Int8PanelWeight)
     assert floats.params["transformer"]["layers"]["moe"]["linear"]["w"].dtype == np.float32  # XLA's: stacked

@@ -233,10 +233,15 @@ def test_tokens_past_their_rows_length_reach_no_expert(name):
 
 def test_weights_held_in_a_layout_of_the_wrong_shape_are_rejected(tiny_params):
     backend, split = arranged(tiny_params, "cpu")
-    layer = split["transformer"]["layers"]["moe"]["linear"]  # the scan's: every layer's experts, stacked
+    layer = split["transformer"]["decoder_layer_0"]["moe"]["linear"]  # layer 0's experts, held apart
     layer["w"] = ExpertWeights(layer["w"].experts[:-1])  # one expert short
     with pytest.raises(ValueError, match="held as ExpertWeights of shape"):
         forward(split, random_tokens(1, (1, 3)), TINY, backend=backend)
+    backend, packed = arranged(tiny_params, "cpu-kernels")
+    stack = packed["transformer"]["layers"]["moe"]["linear"]  # every layer's experts in panels, stacked
+    stack["w"] = dataclasses.replace(stack["w"], panels=stack["w"].panels[:, :-1])  # one expert short
+    with pytest.raises(ValueError, match="held as InLayer of shape"):
+        forward(packed, random_tokens(1, (1, 3)), TINY, backend=backend)
 
 
 @pytest.mark.parametrize("name", NAMES)

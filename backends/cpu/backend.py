@@ -34,15 +34,21 @@ class CPU(XLA):
     # The activations' dtype: what ``prepare`` holds float weights in (the weight kernels take
     # float32 and bfloat16; ``runner.selection`` leaves them out for any other).
     dtype: str = "float32"
-    # The layers unrolled, each over its own buffers: a kernel handed a layer of a stacked weight
-    # inside the scan reads it only after XLA:CPU copies it out. Measured on the bench config
-    # (8 layers, batch 8, 2-core Xeon with AVX-512; BENCHMARKS.md, "Scan over layers"): a decode
-    # step 32 ms unrolled against 157-161 ms scanned, a 256-token prefill 172-178 against
-    # 279-284 ms, for about the same compile time (0.85-0.96 s against 0.84 s a decode step).
-    layers: str = "unrolled"
+    # How the stack runs ("auto": "indexed" with the MoE kernel, else "unrolled"). "indexed": one
+    # layer compiled, looped over the layer index, the kernels reading their layer of each
+    # stacked weight in place (``take_layer``); XLA:CPU copies the slice of a stacked weight that
+    # a dot reads, which for the attention projections on XLA's dot is a few MB a layer. Without
+    # the MoE kernel the experts' dots would copy each layer's experts on every step, so the
+    # layers are unrolled, each over its own buffers (measured: BENCHMARKS.md, "Scan over layers"
+    # and "The CPU stack as one loop").
+    layers: str = "auto"
     name = "cpu"
 
     def __post_init__(self):
+        if self.layers == "auto":
+            object.__setattr__(self, "layers", "indexed" if "moe" in self.on else "unrolled")
+        if self.layers == "indexed" and "moe" not in self.on:
+            raise ValueError("CPU(layers='indexed') reads the experts from panels: it needs 'moe' in on")
         super().__post_init__()
         unknown = set(self.on) - set(OPERATIONS)
         if unknown:
@@ -64,14 +70,24 @@ class CPU(XLA):
     def prepare(self, params):
         return layout.prepare(params, frozenset(self.on), frozenset(self.int8), self.dtype, self.layers)
 
+    def take_layer(self, w, layer):
+        if isinstance(w, layout.PANELS):
+            return layout.InLayer(w, layer)  # read in place by the kernel
+        if isinstance(w, layout.Widened):
+            return layout.Widened(super().take_layer(w.w, layer))
+        return super().take_layer(w, layer)
+
     def matmul(self, x, w, dtype):
+        w, layer = (w.stack, w.layer) if isinstance(w, layout.InLayer) else (w, None)
         if isinstance(w, ops.PanelWeight):
-            return ops.panel_matmul(x.astype(jnp.float32), w.panels, w.width).astype(dtype)
+            return ops.panel_matmul(x.astype(jnp.float32), w.panels, w.width, layer).astype(dtype)
         if isinstance(w, ops.Bf16PanelWeight):
-            return ops.bf16_panel_matmul(x.astype(jnp.float32), w.panels, w.width).astype(dtype)
+            return ops.bf16_panel_matmul(x.astype(jnp.float32), w.panels, w.width, layer).astype(dtype)
         if isinstance(w, ops.Int8PanelWeight):
             return ops.int8_panel_matmul(x.astype(jnp.float32), w.panels, w.scales, w.width,
-                                         bf16=dtype == jnp.bfloat16).astype(dtype)
+                                         bf16=dtype == jnp.bfloat16, layer=layer).astype(dtype)
+        if isinstance(w, layout.Widened):  # what XLA:CPU makes of a bf16 dot, the weight widened once
+            return jnp.einsum("...M,MN->...N", x.astype(dtype).astype(jnp.float32), w.w).astype(dtype)
         return super().matmul(x, w, dtype)
 
     def embed(self, table, tokens, dtype):
@@ -85,13 +101,14 @@ class CPU(XLA):
         return super().unembed(h, table, dtype)
 
     def grouped_matmul(self, x_RK, w, sizes_E, dtype):
+        w, layer = (w.stack, w.layer) if isinstance(w, layout.InLayer) else (w, None)
         if isinstance(w, ops.PanelWeight):
-            return ops.grouped_matmul(x_RK.astype(jnp.float32), w.panels, sizes_E, w.width).astype(dtype)
+            return ops.grouped_matmul(x_RK.astype(jnp.float32), w.panels, sizes_E, w.width, layer).astype(dtype)
         if isinstance(w, ops.Bf16PanelWeight):
-            return ops.grouped_bf16_matmul(x_RK.astype(jnp.float32), w.panels, sizes_E, w.width).astype(dtype)
+            return ops.grouped_bf16_matmul(x_RK.astype(jnp.float32), w.panels, sizes_E, w.width, layer).astype(dtype)
         if isinstance(w, ops.Int8PanelWeight):
             return ops.grouped_int8_matmul(x_RK.astype(jnp.float32), w.panels, w.scales, sizes_E, w.width,
-                                           bf16=dtype == jnp.bfloat16).astype(dtype)
+                                           bf16=dtype == jnp.bfloat16, layer=layer).astype(dtype)
         if isinstance(w, layout.ExpertWeights):
             return loop_grouped_matmul(x_RK.astype(dtype), lambda x, e: w.matmul(x, e, dtype), sizes_E,
                                        w.shape[-1], dtype)

@@ -37,6 +37,8 @@ from model.transformer import has_stacked_layers, layers_apart, layers_together
 MOE_WEIGHT = re.compile(r"(.*/)?moe/(linear|linear_v|linear_1)/w")
 EMBEDDING = "language_model/in_out_embed/embeddings"
 PROJECTION = re.compile(r"(.*/)?multi_head_attention/(query|key|value|linear)/w")
+DENSE = re.compile(r"(.*/)?mlp/(linear|linear_v|linear_1)/w")  # Grok-2's shared MLP
+STACK = "transformer/layers/"  # where the stacked layers' parameters are
 TRANSPOSED = ("linear_1",)  # down projections, [F, D] per expert, held as [D, F]
 
 
@@ -61,7 +63,48 @@ class ExpertWeights:
         return x.astype(dtype) @ dequantize(w, dtype)
 
 
-HELD = (ExpertWeights, PanelWeight, Bf16PanelWeight, Int8PanelWeight, PanelTable)  # already in a CPU layout
+PANELS = (PanelWeight, Bf16PanelWeight, Int8PanelWeight)  # the weight kernels' layouts
+
+
+@flax.struct.dataclass
+class InLayer:
+    """Layer ``layer`` (a traced index) of a weight held in panels for every layer (``PANELS``,
+    stacked ``[L, ...]``): what the ``"indexed"`` stack hands a layer in place of a slice, so that
+    the kernel reads that layer of the stack in place (``ops.in_layer``)."""
+
+    stack: object
+    layer: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stack.shape[1:])
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+
+@flax.struct.dataclass
+class Widened:
+    """A bf16 weight that XLA's dot multiplies by, held widened to float32 (its bf16 values
+    exactly): XLA:CPU computes a bf16 dot as a float32 one on widened operands, and inside the
+    ``"indexed"`` loop it widens the whole stack of a layer weight on every call and then copies
+    the layer's slice out (a bf16 decode step of the bench config 30% slower than unrolled; held
+    widened, the slice is all it copies). ``CPU.matmul`` multiplies as XLA would: x rounded to
+    bf16, a float32 dot, the result rounded to bf16."""
+
+    w: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.w.shape)
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.bfloat16)
+
+
+HELD = (ExpertWeights, *PANELS, PanelTable, InLayer, Widened)  # already in a CPU layout
 LAYOUTS = (*HELD, QuantizedWeight8bit)
 
 
@@ -79,13 +122,18 @@ def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="flo
     in panels with ``"projections"``; the embedding with ``"unembed"``. Float weights of these are
     held in ``dtype`` (float32 panels, or bf16 panels of row pairs), as the model multiplies by
     them. An int8 weight stays int8 (``Int8PanelWeight``) where its operation is in ``int8``, and
-    is dequantised to ``dtype`` first everywhere else. Other leaves are unchanged. Each layer is
-    laid out apart; with ``layers="scan"`` the layers' layouts are stacked again (a leading axis
-    on every leaf, which the scan slices), with ``"unrolled"`` they stay apart
-    (``model.transformer.layers_apart``)."""
+    is dequantised to ``dtype`` first everywhere else. Other leaves are unchanged. With
+    ``layers="indexed"`` the stacked layers are laid out as they are (every layer's panels in one
+    array, ``[L, ...]``, which the kernels read a layer of in place); otherwise each layer is laid
+    out apart and, with ``"scan"``, stacked again (a leading axis on every leaf, which the scan
+    slices), with ``"unrolled"`` held apart (``model.transformer.layers_apart``)."""
     dtype = jnp.dtype(dtype)
     stacked = has_stacked_layers(params)
-    if stacked:  # on the host: views of the stacked arrays
+    if stacked and layers == "indexed" and "moe" not in panels:
+        raise ValueError("layers='indexed' reads the experts from panels: it needs the 'moe' kernel")
+    apart = stacked and layers != "indexed"
+    widen = layers == "indexed" and stacked and dtype == jnp.bfloat16  # bf16 layer weights on XLA's dot: ``Widened``
+    if apart:  # on the host: views of the stacked arrays
         params = layers_apart(params, take=lambda a, i: np.asarray(a)[i])
 
     def one(path, w):
@@ -93,7 +141,7 @@ def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="flo
             return w
         name = path_str(path)
         op = "moe" if MOE_WEIGHT.fullmatch(name) else "projections" if PROJECTION.fullmatch(name) else None
-        if op is None and name != EMBEDDING and not is_quantized(w):
+        if op is None and name != EMBEDDING and not is_quantized(w) and not (widen and DENSE.fullmatch(name)):
             return w
         # On the host (one CPU device: a view, no copy), in numpy: jax's eager operations would
         # compile a program apiece at every start.
@@ -111,8 +159,10 @@ def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="flo
             return jax.device_put(split(w, name.split("/")[-2] in TRANSPOSED))
         if name == EMBEDDING and "unembed" in panels:
             return PanelTable.of(w)
-        if op == "projections" and "projections" in panels and w.ndim == 2:
+        if op == "projections" and "projections" in panels and w.ndim == (3 if name.startswith(STACK) else 2):
             return kind.of(w)
+        if widen and name.startswith(STACK) and (op == "projections" or DENSE.fullmatch(name)):
+            return Widened(jax.device_put(w.astype(np.float32)))  # w is in bf16 already
         return held if not is_quantized(held) and held.dtype == dtype else jax.device_put(w)
 
     # The weights are laid out side by side on the host's cores: most of the time is the OS
@@ -122,7 +172,7 @@ def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="flo
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         laid_out = list(pool.map(lambda leaf: one(*leaf), leaves))
     params = jax.tree_util.tree_unflatten(treedef, laid_out)
-    if layers == "scan" and stacked:
+    if layers == "scan" and apart:
         params = layers_together(params, stack=lambda parts: np.stack([np.asarray(p) for p in parts]))
     return jax.tree_util.tree_map(lambda a: jax.device_put(a) if isinstance(a, np.ndarray) else a, params)
 

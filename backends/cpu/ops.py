@@ -10,6 +10,10 @@ A weight ``w [K, N]`` is held as ``[ceil(N / 32), K, 32]``: panel p is columns `
 - ``bf16_panel_matmul`` and ``grouped_bf16_matmul`` are the same products by bf16 weights held
   in panels of row pairs ``[..., P, ceil(K / 2), 32, 2]`` (``pack_pairs``): on AVX512-BF16's
   pairwise dot where the CPU has it, widened to float32 in registers where not.
+- Each of these also takes ``layer``: the weight is then every layer's, stacked on a leading axis
+  (``[L, ...]``), and layer ``layer`` (a traced int32 scalar) is read in place (``in_layer``),
+  which lets the layers run as one compiled loop (``model.transformer``'s ``"indexed"`` stack):
+  XLA:CPU would copy a slice of the stack out before the call.
 - ``decode_attention`` is a decode step's attention read in place from the KV cache (float32 or
   bf16; ``attention.cc``): XLA:CPU copies the attended positions out of the cache first;
   ``decode_attention_int8`` reads an int8 cache and its scales the same way.
@@ -87,21 +91,48 @@ def _check_call(name: str, x, panels, n: int) -> None:
     build.require()
 
 
-def panel_matmul(x, panels, n: int):
-    """``x [..., K] @ w [K, n]`` in float32, ``w`` given as its panels ``[P, K, 32]``."""
+def in_layer(panels, sizes_E, layer, *extra):
+    """Layer ``layer`` of stacked expert panels ``[L, E, ...]``, as the grouped kernels read it in
+    place: the stack seen as ``L * E`` experts (a reshape, no copy) and the group sizes spread
+    over them, ``sizes_E`` at layer ``layer``'s experts and 0 elsewhere (an expert with no rows is
+    never read). ``extra`` (the int8 scales ``[L, E, ...]``) are seen alike. Returns the flattened
+    panels, the ``[L * E]`` sizes and the flattened extras."""
+    layers, experts = panels.shape[:2]
+    sizes = jnp.zeros((layers, experts), jnp.int32).at[layer].set(sizes_E.astype(jnp.int32)).reshape(-1)
+    flat = lambda a: a.reshape(layers * experts, *a.shape[2:])
+    return flat(panels), sizes, *(flat(a) for a in extra)
+
+
+def _rows_in_layer(x, panels, layer, *extra):
+    """A plain product's operands as a grouped one's in layer ``layer`` of panels ``[L, ...]``
+    (each layer one expert): ``x [..., K]`` as rows ``[R, K]``, all of them in that layer's group."""
+    rows = x.reshape(-1, x.shape[-1])
+    return (rows, *in_layer(panels[:, None], jnp.full((1,), rows.shape[0], jnp.int32), layer,
+                            *(a[:, None] for a in extra)))
+
+
+def panel_matmul(x, panels, n: int, layer=None):
+    """``x [..., K] @ w [K, n]`` in float32, ``w`` given as its panels ``[P, K, 32]`` (with
+    ``layer``: every layer's, ``[L, P, K, 32]``, of which that one is read)."""
+    if layer is not None:
+        rows, flat, sizes = _rows_in_layer(x, panels, layer)
+        return grouped_matmul(rows, flat, sizes, n).reshape(*x.shape[:-1], n)
     if panels.ndim != 3 or panels.shape[2] != PANEL or x.shape[-1] != panels.shape[1]:
         raise ValueError(f"x {x.shape} does not match panels {panels.shape} ([P, K, {PANEL}])")
     _check_call("panel_matmul", x, panels, n)
     return jax.ffi.ffi_call(build.MATMUL, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32))(x, panels)
 
 
-def grouped_matmul(x, panels, sizes, n: int):
+def grouped_matmul(x, panels, sizes, n: int, layer=None):
     """Rows grouped by expert, each group times its own expert's weight: ``x [R, K]`` holds
     ``sizes[0]`` rows for expert 0, then ``sizes[1]`` rows for expert 1, ...; the result
     ``[R, n]`` has ``x[rows of e] @ w_e`` there and zeros in the rows past the last group.
     ``panels [E, P, K, 32]`` are every expert's panels. ``sizes`` (int32 ``[E]``) may be traced;
     they must be non-negative and sum to at most R (the kernel fails otherwise). An expert with
-    no rows is never read; one with many reads its weight once for all of them."""
+    no rows is never read; one with many reads its weight once for all of them. With ``layer``,
+    ``panels [L, E, P, K, 32]`` are every layer's experts, of which that layer's are read."""
+    if layer is not None:
+        panels, sizes = in_layer(panels, sizes, layer)
     if x.ndim != 2 or panels.ndim != 4 or panels.shape[3] != PANEL or x.shape[1] != panels.shape[2]:
         raise ValueError(f"x {x.shape} does not match expert panels {panels.shape} ([R, K] and [E, P, K, {PANEL}])")
     if sizes.shape != (panels.shape[0],):
@@ -123,19 +154,25 @@ def _check_pairs(name: str, x, panels, n: int) -> None:
     build.require()
 
 
-def bf16_panel_matmul(x, panels, n: int):
+def bf16_panel_matmul(x, panels, n: int, layer=None):
     """``x [..., K] @ w [K, n]`` with ``w`` bf16 in panels of row pairs ``[P, ceil(K / 2), 32, 2]``
     (``pack_pairs``): x rounded to bf16, the products summed in float32 (AVX512-BF16's dot where
-    the CPU has it, else widened to float32 in registers). ``[..., n]`` float32."""
+    the CPU has it, else widened to float32 in registers). ``[..., n]`` float32. ``layer`` as in
+    ``panel_matmul``."""
+    if layer is not None:
+        rows, flat, sizes = _rows_in_layer(x, panels, layer)
+        return grouped_bf16_matmul(rows, flat, sizes, n).reshape(*x.shape[:-1], n)
     if panels.ndim != 4:
         raise ValueError(f"bf16 panels must be [P, ceil(K / 2), {PANEL}, 2], got {panels.shape}")
     _check_pairs("bf16_panel_matmul", x, panels, n)
     return jax.ffi.ffi_call(build.BF16_MATMUL, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32))(x, panels)
 
 
-def grouped_bf16_matmul(x, panels, sizes, n: int):
+def grouped_bf16_matmul(x, panels, sizes, n: int, layer=None):
     """``grouped_matmul`` with bf16 experts in panels of row pairs ``[E, P, ceil(K / 2), 32, 2]``,
-    multiplied as in ``bf16_panel_matmul``."""
+    multiplied as in ``bf16_panel_matmul`` (``layer`` as in ``grouped_matmul``)."""
+    if layer is not None:
+        panels, sizes = in_layer(panels, sizes, layer)
     if x.ndim != 2 or panels.ndim != 5:
         raise ValueError(f"x {x.shape} and bf16 expert panels {panels.shape} must be [R, K] and "
                          f"[E, P, ceil(K / 2), {PANEL}, 2]")
@@ -159,13 +196,17 @@ def _check_int8(name: str, x, panels, scales, n: int) -> None:
     build.require()
 
 
-def int8_panel_matmul(x, panels, scales, n: int, bf16: bool = False):
+def int8_panel_matmul(x, panels, scales, n: int, bf16: bool = False, layer=None):
     """``x [..., K] @ w [K, n]`` in float32 with ``w`` int8: its panels ``[P, K, 32]`` and float32
     scales ``[P, G, 32]`` (rows g K/G .. (g + 1) K/G of a panel times scales[p, g]), widened in
     registers (``panel_matmul.cc``): the product by the dequantised weight up to float32 rounding.
     With ``bf16`` (bf16 activations) on a CPU with AVX512-BF16, x is rounded to bf16 and each
     panel dequantised to bf16 in cache (Grok-1's own rounding of the weight) and multiplied on the
-    bf16 dot; elsewhere ``bf16`` changes nothing."""
+    bf16 dot; elsewhere ``bf16`` changes nothing. ``layer`` as in ``panel_matmul`` (the scales
+    stacked alike)."""
+    if layer is not None:
+        rows, flat, sizes, flat_scales = _rows_in_layer(x, panels, layer, scales)
+        return grouped_int8_matmul(rows, flat, flat_scales, sizes, n, bf16).reshape(*x.shape[:-1], n)
     if panels.ndim != 3 or panels.shape[2] != PANEL or x.shape[-1] != panels.shape[1] or scales.ndim != 3:
         raise ValueError(f"x {x.shape} does not match int8 panels {panels.shape} ([P, K, {PANEL}])")
     _check_int8("int8_panel_matmul", x, panels, scales, n)
@@ -173,9 +214,12 @@ def int8_panel_matmul(x, panels, scales, n: int, bf16: bool = False):
     return jax.ffi.ffi_call(build.INT8_MATMUL, out)(x, panels, scales, bf16=bool(bf16))
 
 
-def grouped_int8_matmul(x, panels, scales, sizes, n: int, bf16: bool = False):
+def grouped_int8_matmul(x, panels, scales, sizes, n: int, bf16: bool = False, layer=None):
     """``grouped_matmul`` with int8 experts: ``panels [E, P, K, 32]`` int8 and ``scales
-    [E, P, G, 32]`` float32, as in ``int8_panel_matmul`` (``bf16`` too)."""
+    [E, P, G, 32]`` float32, as in ``int8_panel_matmul`` (``bf16`` too; ``layer`` as in
+    ``grouped_matmul``)."""
+    if layer is not None:
+        panels, sizes, scales = in_layer(panels, sizes, layer, scales)
     if x.ndim != 2 or panels.ndim != 4 or panels.shape[3] != PANEL or x.shape[1] != panels.shape[2]:
         raise ValueError(f"x {x.shape} does not match int8 expert panels {panels.shape} ([R, K] and [E, P, K, {PANEL}])")
     if sizes.shape != (panels.shape[0],):
