@@ -123,14 +123,13 @@ def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="flo
     held in ``dtype`` (float32 panels, or bf16 panels of row pairs), as the model multiplies by
     them. An int8 weight stays int8 (``Int8PanelWeight``) where its operation is in ``int8``, and
     is dequantised to ``dtype`` first everywhere else. Other leaves are unchanged. With
-    ``layers="indexed"`` the stacked layers are laid out as they are (every layer's panels in one
+    ``layers="indexed"`` (which ``CPU`` takes only with the MoE kernel, whose panels it reads the
+    experts from) the stacked layers are laid out as they are (every layer's panels in one
     array, ``[L, ...]``, which the kernels read a layer of in place); otherwise each layer is laid
     out apart and, with ``"scan"``, stacked again (a leading axis on every leaf, which the scan
     slices), with ``"unrolled"`` held apart (``model.transformer.layers_apart``)."""
     dtype = jnp.dtype(dtype)
     stacked = has_stacked_layers(params)
-    if stacked and layers == "indexed" and "moe" not in panels:
-        raise ValueError("layers='indexed' reads the experts from panels: it needs the 'moe' kernel")
     apart = stacked and layers != "indexed"
     widen = layers == "indexed" and stacked and dtype == jnp.bfloat16  # bf16 layer weights on XLA's dot: ``Widened``
     if apart:  # on the host: views of the stacked arrays
@@ -161,7 +160,7 @@ def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="flo
             return PanelTable.of(w)
         if op == "projections" and "projections" in panels and w.ndim == (3 if name.startswith(STACK) else 2):
             return kind.of(w)
-        if widen and name.startswith(STACK) and (op == "projections" or DENSE.fullmatch(name)):
+        if widen and (op == "projections" or DENSE.fullmatch(name)):
             return Widened(jax.device_put(w.astype(np.float32)))  # w is in bf16 already
         return held if not is_quantized(held) and held.dtype == dtype else jax.device_put(w)
 
