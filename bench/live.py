@@ -3,7 +3,7 @@ L slots.
 
     python -m bench.live [--slots 8] [--live 1,2,4,8] [--context 256] [--rounds 15] [--out FILE]
 
-The bench config (``bench/common.py``, random weights, fp32), one CPU device, the runner's
+The bench config (``bench/common.py``, random weights; fp32, or ``--dtype``, ``--quantize``), one CPU device, the runner's
 default backend. One ``ModelRunner`` of ``--slots`` slots and one of L slots for each L; each
 timed call is ``steps`` decode steps from a state whose first L slots are busy at ``--context``
 (the rest free), the runners taking turns call by call, medians over ``--rounds``. A free slot
@@ -46,8 +46,11 @@ def main(argv=None) -> None:
     p.add_argument("--prefill", default="", help="prompt lengths to prefill")
     p.add_argument("--buckets", choices=["context", "default"], default="context",
                    help="--prefill in one bucket of sequence_len, or in the runner's default buckets")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--quantize", choices=["int8"], default=None)
     p.add_argument("--out")
     args = p.parse_args(argv)
+    model = dict(dtype=args.dtype, quantize=args.quantize)
     lives = [int(x) for x in args.live.split(",")]
     params = init_params(BENCH, jax.random.PRNGKey(0))
     kv_len = 1 << args.context.bit_length()
@@ -55,7 +58,7 @@ def main(argv=None) -> None:
     for slots, live in [(args.slots, live) for live in lives] + [(live, live) for live in lives if live != args.slots]:
         key = (slots, live)
         if slots not in {s for s, _ in runs}:
-            engine = ModelRunner(model=BENCH, params=params)
+            engine = ModelRunner(model=BENCH, params=params, **model)
             engine = Executor.create(engine, batch_size=slots)
             step = engine._decode.variant(kv_len=kv_len, steps=args.steps)
             tokens = np.random.default_rng(slots).integers(4, BENCH.vocab_size, slots).astype(np.int32)
@@ -69,12 +72,14 @@ def main(argv=None) -> None:
             engine, step, state, tokens = shared
             state = with_live(engine, state, live, args.context, tokens)
             start = time.perf_counter()
-            shared[2], out = step(engine.params, state, engine.no_mask)
+            shared[2], out = step(engine.params, state, engine.no_mask, np.int32(args.steps))
             jax.block_until_ready(out)
             if i:
                 times[(slots, live)].append((time.perf_counter() - start) / args.steps * 1e3)
     med = {key: statistics.median(t) for key, t in times.items()}
-    print(f"{cpu()}; bench config, context {args.context}, {args.steps} steps a call, medians of {args.rounds}")
+    print(f"{cpu()}; bench config in {args.dtype}{', int8 weights' if args.quantize else ''}, "
+          f"{engine.selection.backend.describe()}")
+    print(f"context {args.context}, {args.steps} steps a call, medians of {args.rounds}")
     print(f"| live requests L | {args.slots}-slot runner, ms/step | L-slot runner, ms/step | ratio |")
     print("|---:|---:|---:|---:|")
     rows = []
@@ -84,7 +89,7 @@ def main(argv=None) -> None:
         print(f"| {live} | {fixed:.2f} | {own:.2f} | {fixed / own:.2f} |")
     prefill = {}
     if args.prefill:
-        runner = InferenceRunner(runner=ModelRunner(model=BENCH, params=params), batch_size=1,
+        runner = InferenceRunner(runner=ModelRunner(model=BENCH, params=params, **model), batch_size=1,
                                  pad_sizes=(BENCH.sequence_len,) if args.buckets == "context" else None)
         runner = runner.initialize()
         rng = np.random.default_rng(0)
