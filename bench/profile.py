@@ -93,7 +93,7 @@ def traced(call, rounds: int, hlo: str, prepare=lambda: None) -> dict:
     by_part = collections.Counter()
     for plane in data.planes:
         for line in plane.lines:
-            if not line.name.startswith("tf_XLAEigen"):  # the threads that run the compiled program
+            if not line.name.startswith("tf_XLA"):  # the threads that run the compiled program (pool, caller)
                 continue
             for event in line.events:
                 name = event.name
