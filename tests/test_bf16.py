@@ -154,13 +154,12 @@ def test_the_bf16_kernels_reject_what_they_cannot_do():
 
 
 @needs_kernel
-def test_a_cpu_with_amx_multiplies_bf16_on_its_tiles_when_asked():
-    """Where the CPU has AMX-BF16 (and the kernels are built for it, on Linux) and
-    ``GROK_RUNNER_AMX=1`` asks for the tiles, every bf16 product runs on them, whatever its rows
-    (the tests above then check the tiles' products and their rows' independence); never
-    without it. The backend's line says which way bf16 multiplies."""
+def test_a_cpu_with_amx_multiplies_bf16_on_its_tiles():
+    """Where the CPU has AMX-BF16 (and the kernels are built for it, on Linux), every bf16 product
+    runs on the tiles, whatever its rows (the tests above then check the tiles' products and
+    their rows' independence); the backend's line says which way bf16 multiplies."""
     flags = _flags()
-    native = not os.environ.get("GROK_RUNNER_KERNEL_MARCH") and os.environ.get("GROK_RUNNER_AMX") == "1"
+    native = not os.environ.get("GROK_RUNNER_KERNEL_MARCH") and os.environ.get("GROK_RUNNER_AMX") != "0"
     expected = " amx_bf16" in flags and " amx_tile" in flags and sys.platform == "linux" and native
     assert build.amx() == expected
     line = CPU(on=frozenset({"moe"}), dtype="bfloat16").describe()

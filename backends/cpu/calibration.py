@@ -305,8 +305,6 @@ def _key(operation: str, phase: str, rows: int, config: ModelConfig, kv_len: int
         extra += " int8" if kv_dtype == "int8" else f" {kv_dtype} cache"
     extra += " int8 weights against float32" if int8 and dtype == "float32" else " int8 weights against bf16" if int8 else ""
     extra += " bf16 activations" if dtype == "bfloat16" and operation in WEIGHT_OPERATIONS else ""
-    # bf16 products on AMX's tiles (GROK_RUNNER_AMX=1) or vdpbf16ps: measured apart
-    extra += " amx" if dtype == "bfloat16" and operation in WEIGHT_OPERATIONS and build.amx() else ""
     return f"{operation} {phase} rows{rows}{extra} {dims}"
 
 

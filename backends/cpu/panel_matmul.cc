@@ -252,18 +252,15 @@ void bf16_panel(const uint32_t* x, const Bf16* wp, float* out, int64_t m0, int64
 // run at the tiles' rate instead of vdpbf16ps's. AMX sums a tile's 16 pairs before adding them to
 // the accumulator (vdpbf16ps adds each pair): other roundings, so where the tiles run they run
 // every call, of any row count, and a row's result still never depends on the rows beside it.
-// The OS must grant the tiles to the process first (Linux: arch_prctl), which the kernels ask
-// for only with GROK_RUNNER_AMX=1 (below); elsewhere the AVX512-BF16 kernel runs.
+// The OS must grant the tiles to the process first (Linux: arch_prctl); where it does not, the
+// AVX512-BF16 kernel runs instead.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 constexpr bool kAmxBuilt = true;
 
 bool amx_granted() {
   static const bool granted = [] {
-    // Opt-in: GROK_RUNNER_AMX=1. Granting the tiles changes the whole process (every library in
-    // it may then take AMX paths, and signal frames grow), and two of five full test runs that
-    // granted them crashed in XLA's executable (de)serialization, not yet understood.
-    const char* on = std::getenv("GROK_RUNNER_AMX");
-    if (!on || std::string(on) != "1") return false;
+    const char* off = std::getenv("GROK_RUNNER_AMX");  // "0": the AVX512-BF16 kernel (to compare)
+    if (off && std::string(off) == "0") return false;
     constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
