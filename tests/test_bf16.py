@@ -153,25 +153,6 @@ def test_the_bf16_kernels_reject_what_they_cannot_do():
         ops.grouped_bf16_matmul(jnp.zeros((3, 16)), panels[None], jnp.zeros((2,), jnp.int32), 40)
 
 
-@needs_kernel
-def test_a_cpu_with_amx_multiplies_bf16_on_its_tiles():
-    """Where the CPU has AMX-BF16 (and the kernels are built for it, on Linux), every bf16 product
-    runs on the tiles, whatever its rows (the tests above then check the tiles' products and
-    their rows' independence); the backend's line says which way bf16 multiplies."""
-    flags = _flags()
-    native = not os.environ.get("GROK_RUNNER_KERNEL_MARCH") and os.environ.get("GROK_RUNNER_AMX") != "0"
-    expected = " amx_bf16" in flags and " amx_tile" in flags and sys.platform == "linux" and native
-    assert build.amx() == expected
-    line = CPU(on=frozenset({"moe"}), dtype="bfloat16").describe()
-    assert ("bf16 weights: AMX tiles" in line) == expected, line
-    if expected:
-        x = np.random.default_rng(3).standard_normal((40, 130), np.float32)
-        w = np.random.default_rng(4).standard_normal((130, 37), np.float32)
-        held = ops.Bf16PanelWeight.of(w)
-        got = np.asarray(ops.bf16_panel_matmul(jnp.asarray(x), held.panels, 37))
-        np.testing.assert_allclose(got, bf16(x) @ bf16(w), rtol=2e-6, atol=2e-5 * np.sqrt(130))
-
-
 def test_bf16_activations_hold_float_weights_in_bf16_panels(tiny_params):
     """``prepare`` for bf16 activations: the experts, projections and embedding in bf16 panels of
     row pairs; int8 weights no kernel takes dequantised to bf16 (not float32)."""

@@ -72,8 +72,7 @@ class CPU(XLA):
         int8 = ", ".join(op for op in INT8_OPERATIONS if op in self.int8)
         bf16 = ""
         if jnp.dtype(self.dtype) == jnp.bfloat16 and self.on & {"moe", "projections", "unembed"}:
-            how = ("AMX tiles" if build.amx() else "AVX512-BF16 dot" if build.bf16_dot()
-                   else "widened to float32 (no AVX512-BF16)")
+            how = "AVX512-BF16 dot" if build.bf16_dot() else "widened to float32 (no AVX512-BF16)"
             bf16 = f"; bf16 weights: {how}"
         return (f"cpu (on the C++ kernels: {kernels}; experts {experts}"
                 f"{'; int8 weights read as int8: ' + int8 if int8 else ''}{bf16}; layers {self.layers})")

@@ -117,13 +117,12 @@ def _build_once() -> str | None:
         return f"building or loading {lib} failed: {e}"
     for name, handler in handlers.items():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
-    global _bf16_dot, _amx
+    global _bf16_dot
     _bf16_dot = bool(library.grok_runner_bf16_dot())
-    _amx = bool(library.grok_runner_amx())
     return None
 
 
-_bf16_dot = _amx = False
+_bf16_dot = False
 
 
 def bf16_dot() -> bool:
@@ -131,12 +130,6 @@ def bf16_dot() -> bool:
     has it) rather than widening bf16 to float32 in registers (building the kernels on the first
     call; False where they cannot be built)."""
     return available() and _bf16_dot
-
-
-def amx() -> bool:
-    """Whether the bf16 kernels multiply on AMX's tiles (the target has AMX-BF16 and the OS grants
-    the tiles to this process), for every row count (building the kernels on the first call)."""
-    return available() and _amx
 
 
 def _compile(cxx: str, lib: Path) -> str | None:

@@ -23,12 +23,7 @@
 // activations rounded to int8 as well, a different result; at 1 to 12 rows a step is bound by the
 // bytes of the weights, and widening costs 2 instructions per 16 weights.)
 #include <immintrin.h>
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -244,103 +239,12 @@ void bf16_panel(const uint32_t* x, const Bf16* wp, float* out, int64_t m0, int64
   }
 }
 
-// ---- AMX ---------------------------------------------------------------------------------------
-// With AMX-BF16 (Sapphire Rapids and later) the products run on the tiles: 16 rows of x (16
-// pairs, 64 bytes, a row) times 16 pairs of a panel's rows, 16 columns at once, accumulated in
-// float32 tiles; the panel layout [K2, 32, 2] is already the tiles' pair layout (a panel row is
-// two B-tile rows, columns 0-15 and 16-31, 128 bytes apart). A prefill's hundreds of rows then
-// run at the tiles' rate instead of vdpbf16ps's. AMX sums a tile's 16 pairs before adding them to
-// the accumulator (vdpbf16ps adds each pair): other roundings, so where the tiles run they run
-// every call, of any row count, and a row's result still never depends on the rows beside it.
-// The OS must grant the tiles to the process first (Linux: arch_prctl); where it does not, the
-// AVX512-BF16 kernel runs instead.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-constexpr bool kAmxBuilt = true;
-
-bool amx_granted() {
-  static const bool granted = [] {
-    const char* off = std::getenv("GROK_RUNNER_AMX");  // "0": the AVX512-BF16 kernel (to compare)
-    if (off && std::string(off) == "0") return false;
-    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles: 0 x's rows (rows x 16 pairs), 1 and 2 the panel's columns 0-15 and 16-31 (16 pairs),
-// 3 and 4 their accumulators; 5, 6, 7 the same for the last `tail` pairs of K2.
-void amx_configure(int rows, int tail) {
-  TileConfig c;
-  c.rows[0] = rows, c.colsb[0] = 64;
-  c.rows[1] = c.rows[2] = 16, c.colsb[1] = c.colsb[2] = 64;
-  c.rows[3] = c.rows[4] = rows, c.colsb[3] = c.colsb[4] = 64;
-  if (tail) {
-    c.rows[5] = rows, c.colsb[5] = tail * 4;
-    c.rows[6] = c.rows[7] = tail, c.colsb[6] = c.colsb[7] = 64;
-  }
-  _tile_loadconfig(&c);
-}
-
-// out[rows, columns of panel p] = x pairs [rows, K2] @ bf16 panel wp [K2, 32, 2], 16 rows at a time.
-void amx_panel(const uint32_t* x, const Bf16* wp, float* out, int64_t rows, int64_t n, int64_t k2, int64_t p) {
-  int64_t full = k2 / 16 * 16, tail = k2 - full, col = p * kPanel, cols = std::min(kPanel, n - col);
-  alignas(64) float tmp[16 * kPanel];
-  for (int64_t m = 0; m < rows; m += 16) {
-    int mb = int(std::min<int64_t>(16, rows - m));
-    amx_configure(mb, int(tail));
-    _tile_zero(3);
-    _tile_zero(4);
-    const uint32_t* xm = x + m * k2;
-    for (int64_t j = 0; j < full; j += 16) {
-      _tile_loadd(0, xm + j, k2 * 4);
-      _tile_loadd(1, wp + j * 2 * kPanel, 2 * kPanel * 2);
-      _tile_loadd(2, wp + j * 2 * kPanel + kPanel, 2 * kPanel * 2);
-      _tile_dpbf16ps(3, 0, 1);
-      _tile_dpbf16ps(4, 0, 2);
-    }
-    if (tail) {
-      _tile_loadd(5, xm + full, k2 * 4);
-      _tile_loadd(6, wp + full * 2 * kPanel, 2 * kPanel * 2);
-      _tile_loadd(7, wp + full * 2 * kPanel + kPanel, 2 * kPanel * 2);
-      _tile_dpbf16ps(3, 5, 6);
-      _tile_dpbf16ps(4, 5, 7);
-    }
-    if (cols == kPanel) {
-      _tile_stored(3, out + m * n + col, n * 4);
-      _tile_stored(4, out + m * n + col + 16, n * 4);
-    } else {
-      _tile_stored(3, tmp, kPanel * 4);
-      _tile_stored(4, tmp + 16, kPanel * 4);
-      for (int r = 0; r < mb; ++r) std::memcpy(out + (m + r) * n + col, tmp + r * kPanel, cols * sizeof(float));
-    }
-  }
-  _tile_release();
-}
-#else
-constexpr bool kAmxBuilt = false;
-bool amx_granted() { return false; }
-void amx_panel(const uint32_t*, const Bf16*, float*, int64_t, int64_t, int64_t, int64_t) {}
-#endif
-
-// Whether the bf16 products run on AMX's tiles in this process.
-bool use_amx() { return kAmxBuilt && amx_granted(); }
-
 // All rows (as pairs) against bf16 panels p0 .. p1 (K2 pairs of rows a panel).
 void panels(const uint32_t* x, Weight<Bf16> w, float* out, int64_t rows, int64_t n, int64_t k2, int64_t p0,
             int64_t p1) {
-  bool amx = use_amx();
   for (int64_t p = p0; p < p1; ++p) {
     const Bf16* wp = w.panels + p * k2 * 2 * kPanel;
-    if (amx)
-      amx_panel(x, wp, out, rows, n, k2, p);
-    else
-      row_blocks([&](auto mb, int64_t m) { bf16_panel<decltype(mb)::value>(x, wp, out, m, n, k2, p); }, rows);
+    row_blocks([&](auto mb, int64_t m) { bf16_panel<decltype(mb)::value>(x, wp, out, m, n, k2, p); }, rows);
   }
 }
 
@@ -381,13 +285,9 @@ void panels(const uint32_t* x, Weight<int8_t> w, float* out, int64_t rows, int64
   int64_t k2 = (k + 1) / 2;
   thread_local std::vector<Bf16> pairs;
   pairs.resize(k2 * 2 * kPanel);
-  bool amx = use_amx();
   for (int64_t p = p0; p < p1; ++p) {
     int8_to_pairs(w.panels + p * k * kPanel, w.scales + p * w.groups * kPanel, w.groups, k, pairs.data());
-    if (amx)
-      amx_panel(x, pairs.data(), out, rows, n, k2, p);
-    else
-      row_blocks([&](auto mb, int64_t m) { bf16_panel<decltype(mb)::value>(x, pairs.data(), out, m, n, k2, p); }, rows);
+    row_blocks([&](auto mb, int64_t m) { bf16_panel<decltype(mb)::value>(x, pairs.data(), out, m, n, k2, p); }, rows);
   }
 }
 
@@ -622,8 +522,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(grouped_int8_panel_matmul, GroupedInt8PanelMatmul,
 
 // Whether the bf16 kernels run on vdpbf16ps (1) or widen to float32 (0): what build.bf16_dot() reports.
 extern "C" int grok_runner_bf16_dot() { return kBf16Dot ? 1 : 0; }
-// Whether the bf16 products run on AMX's tiles (built for them, and granted by the OS).
-extern "C" int grok_runner_amx() { return use_amx() ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(bf16_panel_matmul, Bf16PanelMatmul,
                               ffi::Ffi::Bind()
