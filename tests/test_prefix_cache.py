@@ -176,3 +176,43 @@ def test_pool_settings_are_checked(params):  # noqa: F811
                             prefix_cache_bytes=5 * block + block // 2)
     sized = sized.initialize(warmup=False)
     assert sized.engine.executor.prefix_blocks == 5 and sized.state.pool.num_blocks == 5
+
+
+def test_a_bf16_cache_moves_its_blocks_as_bits_and_keeps_every_token(params):  # noqa: F811
+    """With a bf16 cache, blocks read from and saved to the pool, a fork's copy and a prefill's
+    attention move the cache's 16-bit patterns: no operation of the compiled prefill or fork
+    widens the cache or the pool to float32 (XLA:CPU has no bf16 slice or update, and widened the
+    whole stack once a block), and shared prefixes still give the tokens computed without a cache."""
+    import jax
+    import jax.numpy as jnp
+
+    from runner import InferenceRunner, ModelRunner
+
+    def bf16_runner(**cache):
+        r = InferenceRunner(runner=ModelRunner(model=CONFIG, params=params, dtype="bfloat16"), batch_size=4,
+                            pad_sizes=PAD_SIZES, max_num_batched_tokens=BUDGET, **cache)
+        return r.initialize(warmup=False)
+
+    plain = bf16_runner()
+    cached = bf16_runner(prefix_cache_blocks=POOL, prefix_block_size=BLOCK)
+    prefix = prompt_ids(810, 40)
+    requests = [shared(prefix, i) for i in range(4)] + [shared(prefix, 0)]  # the last one forks or reads
+    want = {r.request_id: solo(plain, r) for r in requests}
+    got = collect(cached.run(requests[:1]))
+    got.update(collect(cached.run(requests[1:])))
+    for r in requests:
+        assert tokens(got[r.request_id]) == want[r.request_id], r
+    assert all(got[r.request_id][0].cached_tokens == 40 for r in requests[1:])
+
+    executor = cached.engine.executor
+    memory_shape = executor.state.memory.k.shape
+    pool_shape = executor.state.pool.k.shape
+    widened = [f"f32[{','.join(map(str, shape))}]" for shape in (memory_shape, pool_shape)]
+    programs = {"prefill": executor._prefill.variant(score=False).lower(
+        executor.params, executor.state, executor.empty_batch(4, PAD_SIZES[-1])).compile().as_text()}
+    logits = jnp.zeros((4, CONFIG.vocab_size), jnp.float32)
+    programs["fork"] = executor._fork.lower(executor.state, logits, np.int32(0), np.int32(1),
+                                            executor.empty_batch(1, 1)).compile().as_text()
+    for name, text in programs.items():
+        assert not [line for line in text.splitlines() if any(w in line for w in widened)], name
+    assert jax.tree_util.tree_leaves(executor.state.memory.k)[0].dtype == jnp.bfloat16
