@@ -53,14 +53,6 @@ class Backend:
         then compiles its decode steps for one KV length (``runner.runner``), not one a bucket."""
         return False
 
-    def head_rows(self, batch: int) -> tuple[int, ...]:
-        """The row counts a decode step's head (the unembedding and the sampling, a pass over the
-        vocabulary a row) is compiled for, ascending, the last ``batch``: the step runs the head
-        on its live rows in the smallest that holds them (``runner.steps.live_rows``). One here:
-        an accelerator's head at a batch of rows costs what it costs at one (bound by the table's
-        read)."""
-        return (batch,)
-
     def write_kv(self, cache, layer, rows_BT, positions_BT, new_BTKH):
         """``model.memory.write_kv``: the chunk's keys (or values) written into layer ``layer`` of
         the stack, a position past the cache dropped. A backend may write in place its own way."""

@@ -156,21 +156,6 @@ def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperatu
 ROW_BLOCK = 16  # queries a block of a packed prefill's attention (the runner aligns each chunk to it)
 
 
-def moved_as_bits(take):
-    """``take`` (slices and gathers: data moved, not computed) applied to a bf16 array as its
-    16-bit patterns. XLA:CPU has no bf16 slice or gather: it widens the operand to float32
-    first, and where the operand is a loop's invariant (the KV stack, in a prefill's loop over
-    key blocks) it widens the whole of it once a layer (bench config, bf16, 8 slots: 100 ms of a
-    128-token prefill's 245). As bits the stack is at most copied, not widened (245 -> 196 ms;
-    an optimization barrier that kept the bits' copy inside the loop made it 150 ms, but
-    coincided with crashes in XLA's executable serialization, so it is not used)."""
-    def moved(a):
-        if a.dtype != jnp.bfloat16:
-            return take(a)
-        return jax.lax.bitcast_convert_type(take(jax.lax.bitcast_convert_type(a, jnp.uint16)), jnp.bfloat16)
-    return moved
-
-
 def attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperature_BT, rows_BT, layer=None,
                 block: int = ROW_BLOCK):
     """``attend`` of queries that each read a cache row of their own, query (b, t) row
@@ -205,7 +190,6 @@ def attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temp
         last = jnp.max(jnp.where(allowed_gCS, positions_S, -1))
 
         def key_block(j, carry):
-            @moved_as_bits
             def read(a):  # block j of keys of the rows r_g: [g, K, keys, H] (of the layer's)
                 if layer is None:
                     return jnp.take(jax.lax.dynamic_slice_in_dim(a, j * keys, keys, axis=2), r_g, axis=0)

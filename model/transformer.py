@@ -27,9 +27,8 @@ from model.partitioning import constrain
 
 @flax.struct.dataclass
 class ForwardOutput:
-    logits: jax.Array | None  # [B, T, V] float32, or [B, 1, V] with last_only; None without unembed
+    logits: jax.Array  # [B, T, V] float32, or [B, 1, V] with last_only
     memory: KVMemory | None
-    hidden: jax.Array | None = None  # without unembed: the stack's output [B, T, D], for ``LanguageModelHead.unembed``
 
 
 class InOutEmbed(nn.Module):
@@ -214,8 +213,7 @@ class LanguageModel(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BT, memory: KVMemory | None = None, lengths_B=None,
-                 last_only: bool = False, kv_len: int | None = None, rows_BT=None, positions_BT=None, pick=None,
-                 unembed: bool = True):
+                 last_only: bool = False, kv_len: int | None = None, rows_BT=None, positions_BT=None, pick=None):
         """``kv_len`` (static, with memory): attend to cache positions ``[0, kv_len)`` only; every
         row's ``step + length`` must fit in it (the runner picks it from a few buckets).
 
@@ -224,10 +222,7 @@ class LanguageModel(nn.Module):
         seeing that row's positions up to its own; a row past the memory's is padding. Several
         requests' chunks then share one row of tokens, and the memory's ``step`` is left to the
         caller. ``pick`` (indices into the flattened tokens) unembeds those tokens only:
-        ``[1, len(pick), V]``; without it every token is unembedded. Without ``unembed`` nothing
-        is: the output holds the stack's ``hidden`` states, which the caller unembeds where it
-        chooses (``LanguageModelHead.unembed`` over ``params["language_model"]``: a decode step
-        unembeds its live rows alone, ``runner.steps``)."""
+        ``[1, len(pick), V]``; without it every token is unembedded."""
         c = self.config
         b, t = tokens_BT.shape
         if rows_BT is not None:
@@ -261,10 +256,9 @@ class LanguageModel(nn.Module):
             # Only the last real token's hidden state is unembedded (prefill): [B, 1, D].
             last_B = jnp.maximum(lengths_B - 1, 0)
             h_BTD = jnp.take_along_axis(h_BTD, last_B[:, None, None], axis=1)
+        logits = head.unembed(h_BTD)
         new_memory = None if memory is None else KVMemory(k=cache[0], v=cache[1], step=memory.step + lengths_B)
-        if not unembed:
-            return ForwardOutput(logits=None, memory=new_memory, hidden=h_BTD)
-        return ForwardOutput(logits=head.unembed(h_BTD), memory=new_memory)
+        return ForwardOutput(logits=logits, memory=new_memory)
 
 
 def forward(params, tokens, config: ModelConfig, *, memory: KVMemory | None = None, lengths=None,

@@ -40,7 +40,7 @@ from model.memory import KV_DTYPES, KVMemory, kv_zeros, new_memory
 from model.quant import quantize_params
 from model.sharding import (DEFAULT_RULES, KV_MEMORY_AXES, activation_sharding, make_mesh, memory_specs,
                             param_shardings, spec_for)
-from model.transformer import LanguageModel, LanguageModelHead
+from model.transformer import LanguageModel
 from runner.batches import empty_batch
 from runner.compile_count import step_compiled
 from runner.model_runner import ModelRunner
@@ -211,16 +211,9 @@ class Executor:
         config, b, backend = self.config, self.batch_size, self.selection.backend
         module = LanguageModel(config, backend)
 
-        def apply(*args, **kwargs):
+        def apply(*args):
             with activation_sharding(self.mesh, self.rules):  # active while tracing only
-                return module.apply(*args, **kwargs)
-
-        head_module = LanguageModelHead(config, backend)
-
-        def head(params, hidden):  # the stack's output unembedded (``LanguageModel(unembed=False)``)
-            with activation_sharding(self.mesh, self.rules):
-                return head_module.apply({"params": params["language_model"]}, hidden,
-                                         method=LanguageModelHead.unembed)
+                return module.apply(*args)
 
         params_sh = jax.tree_util.tree_map(lambda a: a.sharding, self.params)  # the backend's layout, placed
         state_sh = self.state_shardings(jax.eval_shape(lambda: new_memory(config, b, dtype=self.kv_dtype)))
@@ -241,7 +234,7 @@ class Executor:
         spec_out_sh = DecodeOutput(out_sh, replicated, replicated, replicated, replicated, replicated)
         decode_out_sh = DecodeOutput(out_sh, replicated, replicated, ready=replicated)
         self._decode = _PerStatic(lambda kv_len, steps, speculative=0: jax.jit(
-            functools.partial(decode, apply, backend, kv_len=kv_len, steps=steps, speculative=speculative, head=head),
+            functools.partial(decode, apply, backend, kv_len=kv_len, steps=steps, speculative=speculative),
             in_shardings=(params_sh, state_sh, mask_sh, replicated),
             out_shardings=(state_sh, spec_out_sh if speculative else decode_out_sh), donate_argnums=1))
         self._mask_shardings = mask_sh

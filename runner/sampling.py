@@ -123,11 +123,6 @@ def sample_token(logits_BV, settings: SampleSettings, keys_B2, backend=DEFAULT_B
     """One token per row; ``keys_B2`` are the rows' own PRNG keys for this draw, ``rules`` their
     ``Constraints`` (None: none). The top-k/top-p cut and the top tokens with the normaliser are
     the ``backend``'s (``backends.Backend``). Reported log-probabilities are the model's own."""
-    with jax.named_scope("sample_token"):  # its operations named so in a profile (``bench.profile``)
-        return _sample_token(logits_BV, settings, keys_B2, backend, rules)
-
-
-def _sample_token(logits_BV, settings: SampleSettings, keys_B2, backend, rules) -> SampleOutput:
     raw_BV = logits_BV = logits_BV.astype(jnp.float32)
     greedy_B = settings.temperature <= 0
     processed = None

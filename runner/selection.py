@@ -93,12 +93,9 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
     choices = {op: choices[op] for op in OPERATIONS}
     on = frozenset(op for op, choice in choices.items() if choice.kernel)
     int8 = frozenset(op for op, choice in choices.items() if choice.int8)
-    decode_only = frozenset(op for op, choice in choices.items() if choice.kernel and choice.decode_only)
     calibrated = ("every shape read from the cache" if not counts["measured"] else
                   f"{counts['measured']} of {counts['shapes']} shapes measured now, cached for the next start")
-    return Selection(CPU(on=on, int8=int8, dtype=dtype, decode_only=decode_only,
-                         decode_rows=batch if decode_only else 0),
-                     "auto: one CPU device; each kernel where measured faster "
+    return Selection(CPU(on=on, int8=int8, dtype=dtype), "auto: one CPU device; each kernel where measured faster "
                      f"here; calibration: {calibrated}", choices)
 
 

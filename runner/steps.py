@@ -69,28 +69,6 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, sco
     return state, output, logits_BV, scores
 
 
-def as_bits(tree):
-    """A cache's bf16 leaves as their 16-bit patterns, for copies: XLA:CPU has no bf16 slice or
-    update, so a block copied into a bf16 stack inside a loop widened the whole stack to float32
-    and back on every block (bench config, bf16: a 1,024-token prefix read from the pool, 64
-    blocks, converted the slots' whole cache 64 times). Other dtypes pass as they are."""
-    return jax.tree_util.tree_map(
-        lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a, tree)
-
-
-def _same_dtypes(pool: PrefixPool, memory: KVMemory) -> None:
-    """The pool and the cache hold one dtype (``Executor.cache_dtype``): blocks move as bits."""
-    held = lambda t: [a.dtype for a in jax.tree_util.tree_leaves(t)]  # noqa: E731
-    if held((pool.k, pool.v)) != held((memory.k, memory.v)):
-        raise ValueError(f"the prefix pool holds {held(pool.k)}, the cache {held(memory.k)}: they must be alike")
-
-
-def from_bits(tree, like):
-    """``as_bits`` undone: each leaf in the dtype of ``like``'s."""
-    return jax.tree_util.tree_map(
-        lambda a, l: jax.lax.bitcast_convert_type(a, l.dtype) if a.dtype != l.dtype else a, tree, like)
-
-
 def _each_block(batch: PrefillBatch, body, carry, first_P, count_P):
     """``body(p, j, carry)`` for blocks ``[first_P[p], first_P[p] + count_P[p])`` of each row p (a
     loop on the device: a call touches only the blocks it reads or saves)."""
@@ -106,21 +84,16 @@ def read_prefix(pool: PrefixPool, batch: PrefillBatch, memory: KVMemory) -> KVMe
     the rows that start from a cached prefix only."""
     size, b = pool.block_size, memory.batch_size
 
-    def block(source: PrefixPool):
-        def at(p, j, kv):
-            def put(full, blocks):  # [L, B, K, S, H] <- pool block [L, 1, K, size, H]
-                got = jax.lax.dynamic_slice_in_dim(blocks, batch.read[p, j], 1, axis=1)
-                return jax.lax.dynamic_update_slice(full, got, (0, batch.slots[p], 0, j * size, 0))
+    def block(p, j, kv):
+        def put(full, blocks):  # [L, B, K, S, H] <- pool block [L, 1, K, size, H]
+            got = jax.lax.dynamic_slice_in_dim(blocks, batch.read[p, j], 1, axis=1)
+            return jax.lax.dynamic_update_slice(full, got.astype(full.dtype), (0, batch.slots[p], 0, j * size, 0))
 
-            return jax.tree_util.tree_map(put, kv, (source.k, source.v))
-        return at
+        return jax.tree_util.tree_map(put, kv, (pool.k, pool.v))
 
     count = jnp.where(batch.slots < b, batch.cached // size, 0)
-    _same_dtypes(pool, memory)
-
-    source = PrefixPool(k=as_bits(pool.k), v=as_bits(pool.v))
-    k, v = _each_block(batch, block(source), (as_bits(memory.k), as_bits(memory.v)), jnp.zeros_like(count), count)
-    return memory.replace(k=from_bits(k, memory.k), v=from_bits(v, memory.v))
+    k, v = _each_block(batch, block, (memory.k, memory.v), jnp.zeros_like(count), count)
+    return memory.replace(k=k, v=v)
 
 
 def save_prefix(pool: PrefixPool, batch: PrefillBatch, memory: KVMemory) -> PrefixPool:
@@ -133,21 +106,16 @@ def save_prefix(pool: PrefixPool, batch: PrefillBatch, memory: KVMemory) -> Pref
     first = jnp.where(jnp.any(saved, axis=1), jnp.argmax(saved, axis=1), 0)
     count = jnp.where(jnp.any(saved, axis=1), nb - jnp.argmax(saved[:, ::-1], axis=1) - first, 0)
 
-    def block(source: KVMemory):
-        def at(p, j, kv):
-            def put(blocks, full):  # pool [L, N, K, size, H] <- [L, 1, K, size, H] of the slot
-                got = jax.lax.dynamic_slice(full, (0, batch.slots[p], 0, j * size, 0),
-                                            (full.shape[0], 1, full.shape[2], size, full.shape[4]))
-                return jax.lax.dynamic_update_slice_in_dim(blocks, got, batch.save[p, j], axis=1)
+    def block(p, j, kv):
+        def put(blocks, full):  # pool [L, N, K, size, H] <- [L, 1, K, size, H] of the slot
+            got = jax.lax.dynamic_slice(full, (0, batch.slots[p], 0, j * size, 0),
+                                        (full.shape[0], 1, full.shape[2], size, full.shape[4]))
+            return jax.lax.dynamic_update_slice_in_dim(blocks, got.astype(blocks.dtype), batch.save[p, j], axis=1)
 
-            return jax.lax.cond(saved[p, j], lambda: jax.tree_util.tree_map(put, kv, (source.k, source.v)), lambda: kv)
-        return at
+        return jax.lax.cond(saved[p, j], lambda: jax.tree_util.tree_map(put, kv, (memory.k, memory.v)), lambda: kv)
 
-    _same_dtypes(pool, memory)
-
-    source = memory.replace(k=as_bits(memory.k), v=as_bits(memory.v))
-    k, v = _each_block(batch, block(source), (as_bits(pool.k), as_bits(pool.v)), first, count)
-    return PrefixPool(k=from_bits(k, pool.k), v=from_bits(v, pool.v))
+    k, v = _each_block(batch, block, (pool.k, pool.v), first, count)
+    return PrefixPool(k=k, v=v)
 
 
 def _seeded(batch: PrefillBatch):
@@ -186,8 +154,8 @@ def fork(sampler, state: DecodeState, logits_BV, row, source, batch: PrefillBatc
     def copy_kv(full):  # [L, B, K, S, H]: the row of every layer
         return full.at[:, dst].set(full[:, source])
 
-    moved = lambda kv: from_bits(jax.tree_util.tree_map(copy_kv, as_bits(kv)), kv)  # noqa: E731: bf16 as bits
-    memory = memory.replace(k=moved(memory.k), v=moved(memory.v), step=copy(memory.step))
+    memory = memory.replace(k=jax.tree_util.tree_map(copy_kv, memory.k), v=jax.tree_util.tree_map(copy_kv, memory.v),
+                            step=copy(memory.step))
     state = state.replace(memory=memory, seen=copy(state.seen), counts=state.counts.at[dst].set(0),
                           history=copy(state.history))
     keys, sample_keys = _seeded(batch)
@@ -196,34 +164,8 @@ def fork(sampler, state: DecodeState, logits_BV, row, source, batch: PrefillBatc
     return _start(state, batch, first, keys)
 
 
-def live_rows(draw, valid_B, sizes: tuple[int, ...]):
-    """``draw(take)`` (a pytree of ``[k, ...]`` arrays for the rows ``take`` picks from each ``[B,
-    ...]`` leaf of a pytree) for the rows of ``valid_B``, as ``[B, ...]``: run on the smallest
-    count of ``sizes`` (ascending, the last B) that holds the valid rows, the valid rows first;
-    the other rows' outputs are zeros, or, in the branch of all B rows, what ``draw`` gives them.
-    Each row's output is what it would be among any others (every operation of a head is row
-    by row), so a step's head costs its live rows' work: one compiled step, a branch a count."""
-    b = valid_B.shape[0]
-    everything = functools.partial(draw, lambda tree: tree)
-    if sizes[-1] != b:
-        raise ValueError(f"live_rows: sizes {sizes} must end with the batch {b}")
-    if len(sizes) == 1:
-        return everything()
-    order = jnp.argsort(~valid_B, stable=True).astype(jnp.int32)  # valid rows first, in slot order
-
-    def rows(k):
-        def branch():
-            picked = order[:k]
-            got = draw(lambda tree: jax.tree_util.tree_map(lambda a: jnp.take(a, picked, axis=0), tree))
-            return jax.tree_util.tree_map(lambda a: jnp.zeros((b, *a.shape[1:]), a.dtype).at[picked].set(a), got)
-        return branch
-
-    branches = [rows(k) for k in sizes[:-1]] + [everything]
-    return jax.lax.switch(jnp.searchsorted(jnp.asarray(sizes), jnp.sum(valid_B)), branches)
-
-
 def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, n, kv_len: int, steps: int,
-           speculative: int = 0, head=None):
+           speculative: int = 0):
     """``n`` decode steps of every slot (a loop on device), attending to the first ``kv_len``
     cache positions; each slot stops where ``ends`` says. A row whose ``mask`` is on takes the
     first step only, under its mask; one it holds takes none. ``n`` is dynamic, at most the static
@@ -231,8 +173,7 @@ def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, n, kv_le
     serves every count of steps (a decode variant a KV bucket, not one a count too: fewer
     executables to build or load at start). With ``speculative`` (static, > 0; no mask), each of
     ``steps`` steps (``n`` is ignored) is ``speculate``'s: up to that many draft tokens a slot
-    verified in one forward. ``head(params, hidden)`` unembeds the stack's output: a plain step
-    runs it, and the sampling, on its live rows alone (``live_rows``). Pure, like ``prefill``."""
+    verified in one forward. Pure, like ``prefill``."""
     if speculative:
         def one_speculative(state, _):
             return speculate(apply, sampler, params, state, mask, kv_len, speculative)
@@ -247,14 +188,9 @@ def decode(apply, sampler, params, state: DecodeState, mask: TokenMask, n, kv_le
         keys, sample_keys = split[:, 0], split[:, 1]
         valid = state.active & ~mask.hold & ~(mask.on & (step > 0))
         lengths = valid.astype(jnp.int32)  # free, finished, prefilling and waiting slots do not advance
-        out = apply({"params": params}, state.tokens[:, None], state.memory, lengths, False, kv_len, unembed=False)
+        out = apply({"params": params}, state.tokens[:, None], state.memory, lengths, False, kv_len)
         rules = state.constraints(mask.replace(on=mask.on & (step == 0)))
-
-        def draw(take):  # the head of the rows ``take`` picks: their logits, then their tokens
-            logits = head(params, take(out.hidden))[:, 0]
-            return sample_token(logits, take(state.settings), take(sample_keys), sampler, take(rules))
-
-        sample = live_rows(draw, valid, sampler.head_rows(valid.shape[0]))
+        sample = sample_token(out.logits[:, 0], state.settings, sample_keys, sampler, rules)
         tokens = jnp.where(valid, sample.token_id, state.tokens)
         remaining = state.remaining - lengths
         ended = valid & ends(tokens, state.stop_ids, remaining)

@@ -1,7 +1,6 @@
 """Which kernels a runner takes (backends/cpu/calibration.py): a kernel measured slower is never
 taken, the measurement is cached, naming a backend skips it, and the AVX2 build is correct."""
 
-import dataclasses
 import json
 import os
 import platform
@@ -40,25 +39,6 @@ def test_a_kernel_is_taken_only_where_it_is_faster_at_every_shape():
     assert not calibration.decide("moe", [Measurement("decode", 1, 2.0, 2.0)]).kernel  # a tie keeps XLA
     described = calibration.decide("moe", [fast, slow]).describe()
     assert described == "moe: XLA (kernel speed / XLA's: decode 8 rows 2.00x, prefill 256 rows 0.67x)"
-
-
-def test_the_projections_kernel_may_be_taken_for_decode_alone():
-    """The attention projections (a few percent of a model's weights) may be held twice: a
-    kernel faster at every decode shape and slower at a prefill's is taken for the decode step
-    alone; the experts (most of a model) never are, and a decode loss keeps XLA's dot."""
-    fast = Measurement("decode", 8, kernel_s=1.0, xla_s=2.0)
-    slow = Measurement("prefill", 256, kernel_s=3.0, xla_s=2.0)
-    chosen = calibration.decide("projections", [fast, slow])
-    assert chosen.kernel and chosen.decode_only
-    assert chosen.describe().startswith("projections: kernel at decode, XLA's at prefill (held both ways)")
-    assert not calibration.decide("moe", [fast, slow]).decode_only
-    both = calibration.decide("projections", [fast, dataclasses.replace(slow, kernel_s=1.0)])
-    assert both.kernel and not both.decode_only  # faster everywhere: one way
-    assert not calibration.decide("projections", [dataclasses.replace(fast, kernel_s=3.0), slow]).kernel
-    # int8: where the int8 kernel is taken it runs both phases; else the float choice's decode_only stands
-    int8 = calibration.decide_int8("projections", [Measurement("decode", 8, 1.0, 1.5), Measurement("prefill", 256, 1.0, 1.0)],
-                                   [fast, slow])
-    assert int8.kernel and int8.decode_only and not int8.int8
 
 
 def test_an_int8_kernel_is_taken_only_where_it_beats_xla_and_the_float_kernel():
@@ -144,10 +124,7 @@ def test_a_real_calibration_times_every_operation(private_cache):
     assert list(choices) == list(OPERATIONS)
     for op, choice in choices.items():
         assert choice.measurements and all(m.kernel_s > 0 and m.xla_s > 0 for m in choice.measurements), op
-        assert choice.kernel == (all(m.kernel_s < m.xla_s for m in choice.measurements) or choice.decode_only)
-        assert choice.decode_only == (op in calibration.DECODE_ONLY and not all(
-            m.kernel_s < m.xla_s for m in choice.measurements) and all(
-            m.kernel_s < m.xla_s for m in choice.measurements if m.phase == "decode"))
+        assert choice.kernel == all(m.kernel_s < m.xla_s for m in choice.measurements)
     assert [m.phase for m in choices["moe"].measurements] == ["decode", "prefill"]
     assert len(json.loads(private_cache.read_text())) == 8
 

@@ -498,56 +498,6 @@ def test_the_indexed_stack_gives_the_unrolled_stacks_logits(dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("layers", ["indexed", "unrolled"])
-def test_projections_on_the_kernel_for_decode_only_are_held_both_ways(dtype, layers):
-    """Where the calibration measured the projections' kernel faster at a decode step's rows and
-    slower at a prefill's (``decode_only``), each projection is held both ways (``ByRows``): a
-    call of at most ``decode_rows`` rows runs on the kernel, a larger one on XLA's dot, and the
-    compiled program of each reads only its own copy; the logits are those of the backend that
-    holds them one way (up to the rounding of another program)."""
-    from backends.cpu.layout import PANELS, ByRows
-
-    config = dataclasses.replace(TINY, fprop_dtype=dtype)
-    params = init_params(config, jax.random.PRNGKey(4))
-    moe = frozenset({"moe"}) if layers == "indexed" else frozenset()
-    both = CPU(on=moe | {"projections"}, dtype=dtype, layers=layers, decode_only=frozenset({"projections"}),
-               decode_rows=2)
-    assert "projections (calls of <= 2 rows)" in both.describe()
-    held = both.prepare(params)
-    query = first_layer(held)["multi_head_attention"]["query"]["w"]
-    assert isinstance(query, ByRows) and isinstance(query.small, PANELS) and query.rows == 2
-    assert not isinstance(query.large, PANELS)
-    tokens = jnp.array([[3, 5, 7, 9], [2, 4, 6, 0]], jnp.int32)
-    step_tokens = jnp.array([[11], [12]], jnp.int32)
-
-    def run(backend, held):
-        first = jax.jit(lambda p, t: forward(p, t, config, memory=new_memory(config, 2), lengths=jnp.array([4, 3]),
-                                             backend=backend))
-        step = jax.jit(lambda p, t, m: forward(p, t, config, memory=m, backend=backend))
-        prefill_out = first(held, tokens)
-        decode_out = step(held, step_tokens, prefill_out.memory)
-        hlo = {"prefill": first.lower(held, tokens).compile().as_text(),
-               "decode": step.lower(held, step_tokens, prefill_out.memory).compile().as_text()}
-        return prefill_out.logits, decode_out.logits, hlo
-
-    prefill_logits, decode_logits, hlo = run(both, held)
-    calls = {step: text.count('custom_call_target="grok_runner_') for step, text in hlo.items()}
-    copies = 1 if layers == "indexed" else TINY.num_layers  # the layer compiled once, or each unrolled
-    assert calls["decode"] - calls["prefill"] == 4 * copies  # 2 rows on the kernel, 8 on XLA's dot
-    for way, logits in (("kernel", decode_logits), ("xla", prefill_logits)):
-        one_way = CPU(on=moe | ({"projections"} if way == "kernel" else set()), dtype=dtype, layers=layers)
-        want = np.asarray(run(one_way, one_way.prepare(params))[1 if way == "kernel" else 0], np.float32)
-        scale = np.abs(want).max()  # the rounding of another program: float32 1e-5, bf16 2 steps
-        tolerance = 1e-5 * scale if dtype == "float32" else 2 * 2.0 ** (np.floor(np.log2(scale)) - 7)
-        assert np.abs(np.asarray(logits, np.float32) - want).max() <= tolerance, way
-    with pytest.raises(ValueError, match="decode_only"):
-        CPU(on=frozenset({"moe"}), decode_only=frozenset({"projections"}), decode_rows=8)
-    with pytest.raises(ValueError, match="decode_only"):
-        CPU(on=frozenset({"projections"}), decode_only=frozenset({"projections"}))
-
-
-@needs_kernel
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
 def test_the_cache_write_equals_the_scatter_and_is_in_place(kind):
     """The backend's cache write (``ops.kv_write``, the stack aliased to the result) writes what

@@ -202,30 +202,3 @@ def test_a_call_without_logprobs_draws_the_same_tokens_and_reports_nothing(tempe
     assert not np.asarray(bare.top_k_probs).any() and np.asarray(asked.top_k_probs).all()
     want = jax.nn.log_softmax(logits)[jnp.arange(6), asked.token_id]
     np.testing.assert_allclose(np.asarray(asked.logprob), np.asarray(want), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("live", [[], [5], [0, 7], [1, 2, 6], [0, 1, 2, 3, 4], list(range(8))])
-def test_a_decode_steps_head_runs_on_its_live_rows_alone(live):
-    """``runner.steps.live_rows``: the head (unembedding and sampling, a pass over the vocabulary
-    a row) of a step with n live rows of 8 runs on the smallest of the CPU backend's row counts
-    (1, 2, 4, 8) that holds them, each live row computed as itself; an accelerator's head runs
-    on every row (one count)."""
-    from runner.steps import live_rows
-
-    b = 8
-    sizes = CPU().head_rows(b)
-    assert sizes == (1, 2, 4, 8) and XLA().head_rows(b) == (8,)
-    valid = jnp.zeros((b,), bool).at[jnp.asarray(live, jnp.int32)].set(True)
-
-    def draw(take):
-        rows = take(jnp.arange(b, dtype=jnp.int32))
-        return {"row": rows, "ran_on": jnp.full(rows.shape, rows.shape[0], jnp.int32), "twice": take(2 * jnp.arange(b))}
-
-    for counts in (sizes, (b,)):
-        out = jax.jit(lambda v, counts=counts: live_rows(draw, v, counts))(valid)
-        want = min(k for k in counts if k >= len(live)) if live else counts[0]
-        np.testing.assert_array_equal(np.asarray(out["row"])[live], live)
-        np.testing.assert_array_equal(np.asarray(out["twice"])[live], 2 * np.asarray(live, np.int32))
-        np.testing.assert_array_equal(np.asarray(out["ran_on"])[live], [want] * len(live))
-    with pytest.raises(ValueError, match="must end with the batch"):
-        live_rows(draw, valid, (1, 2))

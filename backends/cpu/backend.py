@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax.numpy as jnp
 
@@ -43,11 +42,6 @@ class CPU(XLA):
     # layers are unrolled, each over its own buffers (measured: BENCHMARKS.md, "Scan over layers"
     # and "The CPU stack as one loop").
     layers: str = "auto"
-    # Operations of ``on`` ("projections") whose kernel runs the calls of at most ``decode_rows``
-    # rows (a decode step's) and XLA's dot the larger ones (a prefill's), each weight held both
-    # ways (``layout.ByRows``): where the calibration measured the kernel faster at decode only.
-    decode_only: frozenset = frozenset()
-    decode_rows: int = 0
     name = "cpu"
 
     def __post_init__(self):
@@ -59,15 +53,11 @@ class CPU(XLA):
         unknown = set(self.on) - set(OPERATIONS)
         if unknown:
             raise ValueError(f"CPU(on=...): unknown operations {sorted(unknown)}, expected some of {OPERATIONS}")
-        if not set(self.decode_only) <= set(self.on) & {"projections"} or (self.decode_only and self.decode_rows < 1):
-            raise ValueError(f"CPU(decode_only=...) must name 'projections' of on, with decode_rows >= 1, got "
-                             f"{sorted(self.decode_only)} and {self.decode_rows}")
         if not set(self.int8) <= set(self.on) & set(INT8_OPERATIONS):
             raise ValueError(f"CPU(int8=...) must name operations of on among {INT8_OPERATIONS}, got {sorted(self.int8)}")
 
     def describe(self) -> str:
-        kernels = ", ".join(op + (f" (calls of <= {self.decode_rows} rows)" if op in self.decode_only else "")
-                            for op in OPERATIONS if op in self.on) or "none"
+        kernels = ", ".join(op for op in OPERATIONS if op in self.on) or "none"
         experts = "in panels" if "moe" in self.on else "split per expert"
         int8 = ", ".join(op for op in INT8_OPERATIONS if op in self.int8)
         bf16 = ""
@@ -78,12 +68,9 @@ class CPU(XLA):
                 f"{'; int8 weights read as int8: ' + int8 if int8 else ''}{bf16}; layers {self.layers})")
 
     def prepare(self, params):
-        return layout.prepare(params, frozenset(self.on), frozenset(self.int8), self.dtype, self.layers,
-                              frozenset(self.decode_only), self.decode_rows)
+        return layout.prepare(params, frozenset(self.on), frozenset(self.int8), self.dtype, self.layers)
 
     def take_layer(self, w, layer):
-        if isinstance(w, layout.ByRows):  # a step reads one of the two: the other's slice is dropped
-            return layout.ByRows(self.take_layer(w.small, layer), self.take_layer(w.large, layer), w.rows)
         if isinstance(w, layout.PANELS):
             return layout.InLayer(w, layer)  # read in place by the kernel
         if isinstance(w, layout.Widened):
@@ -91,8 +78,6 @@ class CPU(XLA):
         return super().take_layer(w, layer)
 
     def matmul(self, x, w, dtype):
-        if isinstance(w, layout.ByRows):
-            return self.matmul(x, w.small if math.prod(x.shape[:-1]) <= w.rows else w.large, dtype)
         w, layer = (w.stack, w.layer) if isinstance(w, layout.InLayer) else (w, None)
         if isinstance(w, ops.PanelWeight):
             return ops.panel_matmul(x.astype(jnp.float32), w.panels, w.width, layer).astype(dtype)
@@ -150,12 +135,6 @@ class CPU(XLA):
         # the decode kernel lists the allowed positions of each row and reads those alone
         return "attention" in self.on and ops.decode_attention_fits(config.num_q_heads, config.num_kv_heads,
                                                                     config.key_size)
-
-    def head_rows(self, batch: int) -> tuple[int, ...]:
-        # On a CPU each row's unembedding and sampling cost their own time (bench config, bf16,
-        # 8 slots, one live on a 2-core Xeon: 3 ms of a 14 ms step on the 7 free rows), so a step
-        # runs the head on its live rows in 1, 2, 4, ... rows (one compiled step, a branch each).
-        return tuple(1 << i for i in range(max(0, batch - 1).bit_length()) if 1 << i < batch) + (batch,)
 
     def write_kv(self, cache, layer, rows_BT, positions_BT, new_BTKH):
         if "attention" in self.on:

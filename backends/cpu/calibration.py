@@ -89,13 +89,9 @@ class Choice:
     reason: str = ""  # without measurements: why it was forced or declined
     int8: bool = False
     int8_measurements: tuple[Measurement, ...] = ()
-    # the kernel for a decode step's calls only, XLA's op for a prefill's (``CPU.decode_only``)
-    decode_only: bool = False
 
     def describe(self) -> str:
         way = "int8 kernel" if self.int8 else "kernel" if self.kernel else "XLA"
-        if self.decode_only:
-            way += " at decode, XLA's at prefill (held both ways)"
         if self.int8_measurements and not self.int8:
             way += " on the dequantised copy" if self.kernel else "'s dot on the dequantised copy"
         if not self.measurements and not self.int8_measurements:
@@ -108,18 +104,10 @@ class Choice:
         return f"{self.operation}: {way} ({'; '.join(parts)})"
 
 
-DECODE_ONLY = ("projections",)  # operations whose weights may be held twice: small beside the model
-
-
 def decide(operation: str, measurements) -> Choice:
-    """The kernel only if it is faster at every shape measured; for an operation of
-    ``DECODE_ONLY``, faster at every decode shape and slower at a prefill's, the kernel for the
-    decode step alone (its weights held both ways: a few percent of a model's memory more)."""
+    """The kernel only if it is faster at every shape measured."""
     measurements = tuple(measurements)
-    faster = [m.kernel_s < m.xla_s for m in measurements]
-    decodes = [f for m, f in zip(measurements, faster) if m.phase == "decode"]
-    decode_only = operation in DECODE_ONLY and not all(faster) and bool(decodes) and all(decodes)
-    return Choice(operation, all(faster) or decode_only, measurements, decode_only=decode_only)
+    return Choice(operation, all(m.kernel_s < m.xla_s for m in measurements), measurements)
 
 
 INT8_TOLERANCE = 0.95  # the int8 kernel's speed over the float32 kernel's that still takes it
@@ -137,8 +125,7 @@ def decide_int8(operation: str, int8_measurements, float_measurements) -> Choice
     int8_measurements, chosen = tuple(int8_measurements), decide(operation, float_measurements)
     int8 = all(m.speedup >= INT8_TOLERANCE and m.speedup * f.speedup > 1.0
                for m, f in zip(int8_measurements, chosen.measurements))
-    return dataclasses.replace(chosen, kernel=int8 or chosen.kernel, int8=int8, int8_measurements=int8_measurements,
-                               decode_only=chosen.decode_only and not int8)
+    return dataclasses.replace(chosen, kernel=int8 or chosen.kernel, int8=int8, int8_measurements=int8_measurements)
 
 
 # ---- the operations, both ways ---------------------------------------------------------------

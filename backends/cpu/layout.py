@@ -104,29 +104,7 @@ class Widened:
         return jnp.dtype(jnp.bfloat16)
 
 
-@flax.struct.dataclass
-class ByRows:
-    """A weight held twice, for an operation whose kernel is measured faster at a decode step's
-    few rows and slower than XLA's dot at a prefill's hundreds (``CPU.decode_only``): ``small``
-    in the kernel's panels, multiplied by calls of at most ``rows`` rows, and ``large`` as XLA's
-    dot takes it (an array, or ``Widened``), by larger calls. A call's rows are static, so each
-    compiled step reads one of them. Used for the attention projections alone (3-4% of Grok-1's
-    weights; the experts, most of a model, are never held twice)."""
-
-    small: object
-    large: object
-    rows: int = flax.struct.field(pytree_node=False, default=0)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.large.shape)
-
-    @property
-    def dtype(self):
-        return self.large.dtype
-
-
-HELD = (ExpertWeights, *PANELS, PanelTable, InLayer, Widened, ByRows)  # already in a CPU layout
+HELD = (ExpertWeights, *PANELS, PanelTable, InLayer, Widened)  # already in a CPU layout
 LAYOUTS = (*HELD, QuantizedWeight8bit)
 
 
@@ -138,8 +116,7 @@ def split(w, transpose: bool) -> ExpertWeights:
     return ExpertWeights(experts, transposed=transpose)
 
 
-def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="float32", layers: str = "unrolled",
-            decode_only: frozenset = frozenset(), decode_rows: int = 0):
+def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="float32", layers: str = "unrolled"):
     """``params`` in the CPU layouts for activations of ``dtype`` (float32 or bfloat16): every MoE
     weight in panels with ``"moe"`` in ``panels``, else split per expert; the attention projections
     in panels with ``"projections"``; the embedding with ``"unembed"``. Float weights of these are
@@ -150,9 +127,7 @@ def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="flo
     experts from) the stacked layers are laid out as they are (every layer's panels in one
     array, ``[L, ...]``, which the kernels read a layer of in place); otherwise each layer is laid
     out apart and, with ``"scan"``, stacked again (a leading axis on every leaf, which the scan
-    slices), with ``"unrolled"`` held apart (``model.transformer.layers_apart``). An operation of
-    ``panels`` also in ``decode_only`` ("projections") is held both ways (``ByRows``): in panels
-    for calls of at most ``decode_rows`` rows, as XLA's dot takes it for larger ones."""
+    slices), with ``"unrolled"`` held apart (``model.transformer.layers_apart``)."""
     dtype = jnp.dtype(dtype)
     stacked = has_stacked_layers(params)
     apart = stacked and layers != "indexed"
@@ -160,12 +135,10 @@ def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="flo
     if apart:  # on the host: views of the stacked arrays
         params = layers_apart(params, take=lambda a, i: np.asarray(a)[i])
 
-    def one(path, w, panels=panels, twice=bool(decode_only)):
+    def one(path, w):
         if isinstance(w, HELD):
             return w
         name = path_str(path)
-        if twice and "projections" in decode_only & panels and PROJECTION.fullmatch(name):
-            return ByRows(one(path, w, twice=False), one(path, w, panels - {"projections"}, False), decode_rows)
         op = "moe" if MOE_WEIGHT.fullmatch(name) else "projections" if PROJECTION.fullmatch(name) else None
         if op is None and name != EMBEDDING and not is_quantized(w) and not (widen and DENSE.fullmatch(name)):
             return w
