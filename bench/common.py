@@ -86,7 +86,8 @@ def cpu() -> str:
     name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    extras = [label for flag, label in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"), ("amx_int8", "AMX-INT8"))
+    extras = [label for flag, label in (("avx512_bf16", "AVX512-BF16"), ("avx512_vnni", "AVX512-VNNI"),
+                                        ("avx_vnni", "AVX-VNNI"), ("amx_bf16", "AMX-BF16"), ("amx_int8", "AMX-INT8"))
               if flag in flags]
     return f"{name}, {isa}" + "".join(f", {label}" for label in extras) + f", {os.cpu_count()} threads"
 

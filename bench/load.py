@@ -25,10 +25,11 @@ another commit, for before/after in one run), on a checkpoint written here; ``ou
 this tree with its prefix cache off (``--prefix-cache-gb 0``), ``ours-int8`` with an int8 KV cache
 (``--kv-dtype int8``, its prefix pool int8 too), ``ours-bf16`` in bf16 (``--dtype bfloat16``),
 ``ours-q8`` with int8 weights (``--quantize int8``) and ``ours-q8-bf16`` with int8 weights and bf16
-activations. ``vllm`` and ``llama`` run the scripts ``/tmp/peers/vllm.sh PORT`` and
-``/tmp/peers/llama.sh PORT`` (how to set them up: bench/peers/README.md); ``vllm-bf16`` is vLLM
-with ``VLLM_DTYPE=bfloat16``, ``llama-bf16`` and ``llama-q8`` llama-server on the bf16 and q8_0
-GGUFs (``LLAMA_GGUF``). A server whose script is missing is skipped, and said so.
+activations, ``ours-w8a8`` and ``ours-w8a8-bf16`` the same with ``--quantize w8a8``. ``vllm`` and
+``llama`` run the scripts ``/tmp/peers/vllm.sh PORT`` and ``/tmp/peers/llama.sh PORT`` (how to set
+them up: bench/peers/README.md); ``vllm-bf16`` is vLLM with ``VLLM_DTYPE=bfloat16``, ``llama-bf16``
+and ``llama-q8`` llama-server on the bf16 and q8_0 GGUFs (``LLAMA_GGUF``). A server whose script
+is missing is skipped, and said so.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ PEERS = {"vllm": ("/tmp/peers/vllm.sh", {}), "vllm-bf16": ("/tmp/peers/vllm.sh",
 # ours: the arguments of its serve that make each variant
 OURS = {"ours": [], "ours-nocache": ["--prefix-cache-gb", "0"], "ours-int8": ["--kv-dtype", "int8"],
         "ours-bf16": ["--dtype", "bfloat16"], "ours-q8": ["--quantize", "int8"],
-        "ours-q8-bf16": ["--quantize", "int8", "--dtype", "bfloat16"], "ours-before": []}
+        "ours-q8-bf16": ["--quantize", "int8", "--dtype", "bfloat16"], "ours-w8a8": ["--quantize", "w8a8"],
+        "ours-w8a8-bf16": ["--quantize", "w8a8", "--dtype", "bfloat16"], "ours-before": []}
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:

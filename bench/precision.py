@@ -1,15 +1,16 @@
-"""The four precisions of the CPU backend side by side in one run (issue 36): float32, bf16
+"""The precisions of the CPU backend side by side in one run (issues 36, 52): float32, bf16
 (Grok-1's activations, bf16 weights), int8 weights with float32 activations and int8 weights with
-bf16 activations (Grok-1's released format), with llama.cpp's llama-bench on GGUFs of the same
-dimensions in f32, bf16 and q8_0.
+bf16 activations (Grok-1's released format), and w8a8 (int8 weights times activations rounded to
+int8 per block of 32, ``--quantize w8a8``) with float32 and bf16 activations elsewhere, with
+llama.cpp's llama-bench on GGUFs of the same dimensions in f32, bf16 and q8_0.
 
-    python -m bench.precision [--batches 1,8] [--tokens 128] [--prefill 512,1024] [--repeats 3]
+    python -m bench.precision [--batches 1,8] [--tokens 128] [--prefill 512,1024] [--repeats 3] [--ways A,B]
         [--llama-bench PATH --gguf f32=F.gguf,bf16=B.gguf,q8_0=Q.gguf] [--out bench/precision.json]
 
 - The bench config (bench/common.py BENCH, random weights): engine decode tokens/s at each batch
   (``bench.speculation.decode_rate``: every request's tokens once all have their first, tokens all
-  but uniform over the vocabulary, so routing spreads as a trained model's does); the four
-  runners take turns, request set by request set; medians over ``--repeats``.
+  but uniform over the vocabulary, so routing spreads as a trained model's does); the runners
+  (``--ways``, default all) take turns, request set by request set; medians over ``--repeats``.
 - Prefill: one first chunk of N real tokens in one row (``ModelRunner.run_prefill``, as
   ``bench.prefill`` times it), tokens/s, medians, the four taking turns.
 - The machine's limits, probed in the same run (``bench.__main__.LimitsProbe``, and the bf16
@@ -42,7 +43,7 @@ from runner import Executor, InferenceRunner, ModelRunner, Request
 from runner.batches import empty_batch
 
 WAYS = {"float32": ("float32", None), "bf16": ("bfloat16", None), "int8 x float32": ("float32", "int8"),
-        "int8 x bf16": ("bfloat16", "int8")}
+        "int8 x bf16": ("bfloat16", "int8"), "w8a8 x float32": ("float32", "w8a8"), "w8a8 x bf16": ("bfloat16", "w8a8")}
 
 
 def weight_bytes(config, batch: int, way: str) -> float:
@@ -55,7 +56,7 @@ def weight_bytes(config, batch: int, way: str) -> float:
     quantized = counts["moe"] / c.num_experts * reached + counts["attention"]
     floats = counts["embedding"] + counts["router"] + counts["norms"]
     size = 2 if "bf16" in way else 4
-    if not way.startswith("int8"):
+    if not way.startswith(("int8", "w8a8")):
         return size * (quantized + floats)
     columns = c.num_layers * (reached * (2 * c.ffn_size + c.emb_size)
                               + (c.num_q_heads + 2 * c.num_kv_heads) * c.key_size + c.emb_size)
@@ -112,32 +113,33 @@ def llama_bench(args) -> list[dict]:
 
 def ours(args, limits: LimitsProbe) -> list[dict]:
     params = init_params(BENCH, jax.random.PRNGKey(0))
+    ways = {way: WAYS[way] for way in args.ways}
     rows = []
     for b in args.batches:
         runners = {}
-        for way, (dtype, quantize) in WAYS.items():
+        for way, (dtype, quantize) in ways.items():
             model = ModelRunner(model=BENCH, params=params, dtype=dtype, quantize=quantize)
             runners[way] = InferenceRunner(runner=model, batch_size=b, pad_sizes=(64,), decode_steps=2)
             runners[way] = runners[way].initialize()
             print(f"batch {b}, {way}: {runners[way].backend_report()}", flush=True)
         rng = np.random.default_rng(b)
         prompts = [rng.integers(4, BENCH.vocab_size, 64).tolist() for _ in range(b)]
-        rates = {way: [] for way in WAYS}
+        rates = {way: [] for way in ways}
         limits()
         for repeat in range(args.repeats + 1):  # the first warms up
-            for way in WAYS:
+            for way in ways:
                 requests = [Request(p, temperature=100.0, rng_seed=i + 100 * repeat, max_len=args.tokens,
                                     ignore_eos=True) for i, p in enumerate(prompts)]
                 rate, _ = decode_rate(runners[way], requests)
                 if repeat:
                     rates[way].append(rate)
-        for way in WAYS:
+        for way in ways:
             rows.append({"way": way, "phase": "decode", "batch": b, "tok_s": statistics.median(rates[way]),
                          "tok_s_all": rates[way], "weight_bytes_per_step": weight_bytes(BENCH, b, way)})
             print(json.dumps(rows[-1]), flush=True)
         del runners
     models = {}
-    for way, (dtype, quantize) in WAYS.items():
+    for way, (dtype, quantize) in ways.items():
         models[way] = ModelRunner(model=BENCH, params=params, dtype=dtype, quantize=quantize)
         models[way] = Executor.create(models[way], batch_size=1)
     for tokens in args.prefill:
@@ -146,14 +148,14 @@ def ours(args, limits: LimitsProbe) -> list[dict]:
         batch.tokens[:] = np.random.default_rng(tokens).integers(4, BENCH.vocab_size, tokens)
         for model in models.values():
             jax.block_until_ready(model.prefill_memory(batch))  # compiles
-        took = {way: [] for way in WAYS}
+        took = {way: [] for way in ways}
         limits()
         for _ in range(args.repeats):
             for way, model in models.items():
                 start = time.perf_counter()
                 jax.block_until_ready((model.prefill_memory(batch), model.state))
                 took[way].append(time.perf_counter() - start)
-        for way in WAYS:
+        for way in ways:
             seconds = statistics.median(took[way])
             rows.append({"way": way, "phase": "prefill", "batch": 1, "tokens": tokens, "tok_s": tokens / seconds,
                          "seconds_all": took[way], "flops": prefill_flops(BENCH, tokens)})
@@ -182,8 +184,13 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--llama-bench", default=None)
     p.add_argument("--gguf", default=None, help="NAME=PATH,... for llama-bench")
+    p.add_argument("--ways", default=",".join(WAYS), help=f"which of ours, of {', '.join(WAYS)}")
     p.add_argument("--out", default="bench/precision.json")
     args = p.parse_args(argv)
+    args.ways = [w.strip() for w in args.ways.split(",")]
+    unknown = set(args.ways) - set(WAYS)
+    if unknown:
+        p.error(f"--ways: unknown {sorted(unknown)}, expected some of {list(WAYS)}")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.prefill = [int(t) for t in args.prefill.split(",")]
     print(cpu(), flush=True)

@@ -108,9 +108,13 @@ def model(p: argparse.ArgumentParser, batch_size: int | None, batch_help: str) -
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8"], default=None,
                    help="what the KV cache holds (default: the activation dtype); int8 keeps one float32 scale a "
                    "token and KV head, 3.8x the tokens of float32 in the same memory at key_size 64")
-    p.add_argument("--quantize", choices=["int8"], default=None,
+    p.add_argument("--quantize", choices=["int8", "w8a8"], default=None,
                    help="quantise the float weights of the experts and attention projections to int8 at load "
-                   "(per output channel); int8 checkpoints (the shipped model, Grok-1) are read as int8 without it")
+                   "(per output channel); int8 checkpoints (the shipped model, Grok-1) are read as int8 without it. "
+                   "w8a8: int8 weights (an int8 checkpoint's as they are) that the CPU kernels may multiply by the "
+                   "activations rounded to int8 per block of 32, as llama.cpp's q8_0 does (AVX512-VNNI or AVX-VNNI), "
+                   "where measured faster than the exact int8 kernel: not Grok-1's exact product (its error: "
+                   "BENCHMARKS.md); the backend line logs which was taken")
     p.add_argument("--backend", choices=["auto", "xla", "cpu"], default="auto",
                    help="where the operations run: xla is pure JAX on any devices; cpu is one CPU device with "
                    "every C++ kernel; auto (default) is cpu on one CPU device with each kernel taken only where "

@@ -88,6 +88,10 @@ def quantize(w, *, groups: int = 1, scale_dtype=jnp.bfloat16) -> QuantizedWeight
     return QuantizedWeight8bit(weight=weight, scales=scales)
 
 
+# ModelRunner.quantize's values: none, int8 weights (Grok-1's exact product), or int8 weights that the
+# CPU kernels may multiply by activations rounded to int8 (backends/cpu/ops.py, w8a8_panel_matmul)
+QUANTIZE = (None, "int8", "w8a8")
+
 # The weights Grok-1 ships in int8: the experts' and the attention projections' (docs/grok1.md §4)
 QUANTIZABLE = re.compile(r"(.*/)?(moe/(linear|linear_v|linear_1)|multi_head_attention/(query|key|value|linear))/w")
 

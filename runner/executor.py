@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
 from model.memory import KV_DTYPES, KVMemory, kv_zeros, new_memory
-from model.quant import quantize_params
+from model.quant import QUANTIZE, quantize_params
 from model.sharding import (DEFAULT_RULES, KV_MEMORY_AXES, activation_sharding, make_mesh, memory_specs,
                             param_shardings, spec_for)
 from model.transformer import LanguageModel
@@ -121,8 +121,8 @@ class Executor:
             raise ValueError(f"ModelRunner.backend must be one of {BACKENDS}, got {spec.backend!r}")
         if spec.kv_dtype is not None and spec.kv_dtype not in KV_DTYPES:
             raise ValueError(f"ModelRunner.kv_dtype must be None or one of {KV_DTYPES}, got {spec.kv_dtype!r}")
-        if spec.quantize not in (None, "int8"):
-            raise ValueError(f"ModelRunner.quantize must be None or 'int8', got {spec.quantize!r}")
+        if spec.quantize not in QUANTIZE:
+            raise ValueError(f"ModelRunner.quantize must be one of {QUANTIZE}, got {spec.quantize!r}")
         mesh = mesh or spec.mesh or make_mesh((1, 1), jax.devices()[:1])
         if abstract and spec.backend != "xla" and one_cpu_device(mesh):
             raise ValueError(f"compiling ahead of the weights takes the XLA backend (backend='xla'), got "
@@ -143,7 +143,7 @@ class Executor:
                                              * prefix_block_size)
         with startup.phase("backend"):  # the kernels built (or loaded) and calibrated (or read)
             selection = choose(spec.backend, mesh, config, loaded.params, batch_size, spec.calibration_tokens,
-                               spec.kv_dtype)
+                               spec.kv_dtype, w8a8=spec.quantize == "w8a8")
         for line in selection.report().splitlines():
             log.info("%s", line)
         log.info("%s", kv_report(config, spec.kv_dtype))
@@ -489,7 +489,7 @@ def _load(spec: ModelRunner, mesh: Mesh, abstract: bool = False) -> Loaded:
     else:
         params = jax.eval_shape(lambda: spec.params) if abstract else spec.params
         loaded = Loaded(spec.model, params, mesh, None)
-    if spec.quantize == "int8":
+    if spec.quantize in ("int8", "w8a8"):  # int8 weights stay as they are
         params = jax.eval_shape(quantize_params, loaded.params) if abstract else quantize_params(loaded.params)
     else:
         params = loaded.params

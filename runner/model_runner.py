@@ -39,7 +39,11 @@ class ModelRunner:
     # kept int8 elsewhere.
     dequantize: bool | None = None
     # Quantise the float weights of the experts and attention projections to int8 at load:
-    # None, or "int8" (symmetric, per output channel, float32 scales: model.quant.quantize_params).
+    # None, or "int8" (symmetric, per output channel, float32 scales: model.quant.quantize_params),
+    # or "w8a8": int8 weights as "int8" (an int8 checkpoint's as they are), which the CPU kernels
+    # may multiply by the activations rounded to int8 per block of 32 (llama.cpp's q8_0 dot, on
+    # AVX512-VNNI or AVX-VNNI) where the calibration measures that faster than the exact int8
+    # kernel: not Grok-1's exact product (its error: BENCHMARKS.md); XLA multiplies exactly.
     quantize: str | None = None
     # What the KV cache (and the prefix pool) holds: None, the activations' dtype; "int8", int8
     # values and a float32 scale a token and KV head (model.memory.QuantizedKV): 3.8x the tokens

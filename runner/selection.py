@@ -45,9 +45,11 @@ def start(requested: str, mesh) -> None:
 
 
 def choose(requested: str, mesh, config, params, batch: int, calibration_tokens: int | None = None,
-           kv_dtype=None) -> Selection:
+           kv_dtype=None, w8a8: bool = False) -> Selection:
     """The backend for ``config`` and its canonical ``params`` served on ``mesh`` with ``batch`` slots
-    and a KV cache of ``kv_dtype`` (default: the activations').
+    and a KV cache of ``kv_dtype`` (default: the activations'). With ``w8a8`` (``--quantize w8a8``)
+    the int8 weights may take the int8 x int8 kernels: all of them with ``"cpu"``, each where
+    measured faster than the exact int8 kernel with ``"auto"``; XLA multiplies exactly.
 
     - ``"xla"``: pure JAX, on any mesh.
     - ``"cpu"``: one CPU device and every C++ kernel; ``ValueError`` saying why where that cannot
@@ -79,9 +81,10 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
         if blocked:
             raise ValueError("backend='cpu' takes every CPU kernel, and " + "; ".join(
                 f"{op} needs {', '.join(why)}" for op, why in blocked.items()))
-        choices = {op: calibration.Choice(op, True, reason="backend='cpu'", int8=op in int8_weights)
-                   for op in OPERATIONS}
-        return Selection(CPU(on=frozenset(OPERATIONS), int8=frozenset(int8_weights), dtype=dtype), "backend='cpu'",
+        choices = {op: calibration.Choice(op, True, reason="backend='cpu'", int8=op in int8_weights,
+                                          w8a8=w8a8 and op in int8_weights) for op in OPERATIONS}
+        return Selection(CPU(on=frozenset(OPERATIONS), int8=frozenset(int8_weights),
+                             w8a8=frozenset(int8_weights) if w8a8 else frozenset(), dtype=dtype), "backend='cpu'",
                          choices)
     choices = {op: calibration.Choice(op, False, reason="it needs " + "; ".join(why)) for op, why in needs.items() if why}
     to_measure = [op for op in OPERATIONS if op not in choices]
@@ -89,14 +92,17 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
     if to_measure:
         tokens = calibration_tokens or min(256, c.sequence_len)
         choices.update(calibration.calibrate(to_measure, c, batch, tokens, tokens, kv_dtype=kv_dtype,
-                                             int8_weights=frozenset(int8_weights), dtype=dtype, counts=counts))
+                                             int8_weights=frozenset(int8_weights), dtype=dtype, counts=counts,
+                                             w8a8=w8a8))
     choices = {op: choices[op] for op in OPERATIONS}
     on = frozenset(op for op, choice in choices.items() if choice.kernel)
     int8 = frozenset(op for op, choice in choices.items() if choice.int8)
+    chosen_w8a8 = frozenset(op for op, choice in choices.items() if choice.w8a8)
     calibrated = ("every shape read from the cache" if not counts["measured"] else
                   f"{counts['measured']} of {counts['shapes']} shapes measured now, cached for the next start")
-    return Selection(CPU(on=on, int8=int8, dtype=dtype), "auto: one CPU device; each kernel where measured faster "
-                     f"here; calibration: {calibrated}", choices)
+    return Selection(CPU(on=on, int8=int8, w8a8=chosen_w8a8, dtype=dtype),
+                     f"auto: one CPU device; each kernel where measured faster here; calibration: {calibrated}",
+                     choices)
 
 
 def _blockers(config, params, kv_dtype) -> tuple[dict, set]:

@@ -224,7 +224,7 @@ def test_float_weights_quantised_at_load_run_as_int8():
     np.testing.assert_allclose(got, forward(deq, tokens, TINY, backend=XLA()).logits, atol=1e-4, rtol=1e-4)
     floats = np.asarray(forward(params, tokens, TINY, backend=XLA()).logits)
     assert 0 < np.abs(got - floats).max() < 0.05 * np.abs(floats).max()  # the int8 rounding, and only that
-    with pytest.raises(ValueError, match="quantize must be None or 'int8', got 'int4'"):
+    with pytest.raises(ValueError, match="quantize must be one of \\(None, 'int8', 'w8a8'\\), got 'int4'"):
         Executor.create(ModelRunner(model=TINY, params=params, quantize="int4"))
 
 

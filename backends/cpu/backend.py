@@ -31,6 +31,10 @@ class CPU(XLA):
     # Operations of ``on`` ("moe", "projections") whose int8 weights the kernel reads as int8; an
     # int8 weight of any other operation is dequantised to float32 by ``prepare``.
     int8: frozenset = frozenset()
+    # Operations of ``int8`` whose int8 weights multiply the activations rounded to int8 per block
+    # of 32 (``ops.w8a8_panel_matmul``, llama.cpp's q8_0 dot: the ``--quantize w8a8`` mode), where
+    # the weight's scale groups fit the blocks; not Grok-1's exact product.
+    w8a8: frozenset = frozenset()
     # The activations' dtype: what ``prepare`` holds float weights in (the weight kernels take
     # float32 and bfloat16; ``runner.selection`` leaves them out for any other).
     dtype: str = "float32"
@@ -55,11 +59,15 @@ class CPU(XLA):
             raise ValueError(f"CPU(on=...): unknown operations {sorted(unknown)}, expected some of {OPERATIONS}")
         if not set(self.int8) <= set(self.on) & set(INT8_OPERATIONS):
             raise ValueError(f"CPU(int8=...) must name operations of on among {INT8_OPERATIONS}, got {sorted(self.int8)}")
+        if not set(self.w8a8) <= set(self.int8):
+            raise ValueError(f"CPU(w8a8=...) must name operations of int8 ({sorted(self.int8)}), "
+                             f"got {sorted(self.w8a8)}")
 
     def describe(self) -> str:
         kernels = ", ".join(op for op in OPERATIONS if op in self.on) or "none"
         experts = "in panels" if "moe" in self.on else "split per expert"
-        int8 = ", ".join(op for op in INT8_OPERATIONS if op in self.int8)
+        int8 = ", ".join(op + (" (int8 x int8, " + build.int8_dot() + ")" if op in self.w8a8 else "")
+                         for op in INT8_OPERATIONS if op in self.int8)
         bf16 = ""
         if jnp.dtype(self.dtype) == jnp.bfloat16 and self.on & {"moe", "projections", "unembed"}:
             how = "AVX512-BF16 dot" if build.bf16_dot() else "widened to float32 (no AVX512-BF16)"
@@ -68,7 +76,8 @@ class CPU(XLA):
                 f"{'; int8 weights read as int8: ' + int8 if int8 else ''}{bf16}; layers {self.layers})")
 
     def prepare(self, params):
-        return layout.prepare(params, frozenset(self.on), frozenset(self.int8), self.dtype, self.layers)
+        return layout.prepare(params, frozenset(self.on), frozenset(self.int8), self.dtype, self.layers,
+                              frozenset(self.w8a8))
 
     def take_layer(self, w, layer):
         if isinstance(w, layout.PANELS):
@@ -86,6 +95,9 @@ class CPU(XLA):
         if isinstance(w, ops.Int8PanelWeight):
             return ops.int8_panel_matmul(x.astype(jnp.float32), w.panels, w.scales, w.width,
                                          bf16=dtype == jnp.bfloat16, layer=layer).astype(dtype)
+        if isinstance(w, ops.W8A8PanelWeight):
+            return ops.w8a8_panel_matmul(x.astype(jnp.float32), w.panels, w.comp, w.scales, w.width,
+                                         layer).astype(dtype)
         if isinstance(w, layout.Widened):  # what XLA:CPU makes of a bf16 dot, the weight widened once
             return jnp.einsum("...M,MN->...N", x.astype(dtype).astype(jnp.float32), w.w).astype(dtype)
         return super().matmul(x, w, dtype)
@@ -109,6 +121,9 @@ class CPU(XLA):
         if isinstance(w, ops.Int8PanelWeight):
             return ops.grouped_int8_matmul(x_RK.astype(jnp.float32), w.panels, w.scales, sizes_E, w.width,
                                            bf16=dtype == jnp.bfloat16, layer=layer).astype(dtype)
+        if isinstance(w, ops.W8A8PanelWeight):
+            return ops.grouped_w8a8_matmul(x_RK.astype(jnp.float32), w.panels, w.comp, w.scales, sizes_E, w.width,
+                                           layer).astype(dtype)
         if isinstance(w, layout.ExpertWeights):
             return loop_grouped_matmul(x_RK.astype(dtype), lambda x, e: w.matmul(x, e, dtype), sizes_E,
                                        w.shape[-1], dtype)

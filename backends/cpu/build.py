@@ -35,6 +35,7 @@ MATMUL = "grok_runner_panel_matmul"
 GROUPED = "grok_runner_grouped_panel_matmul"
 INT8_MATMUL = "grok_runner_int8_panel_matmul"
 INT8_GROUPED = "grok_runner_grouped_int8_panel_matmul"
+W8A8_GROUPED = "grok_runner_grouped_w8a8_panel_matmul"
 BF16_MATMUL = "grok_runner_bf16_panel_matmul"
 BF16_GROUPED = "grok_runner_grouped_bf16_panel_matmul"
 ATTENTION = "grok_runner_decode_attention"
@@ -109,6 +110,7 @@ def _build_once() -> str | None:
         library = ctypes.cdll.LoadLibrary(str(lib))
         handlers = {MATMUL: library.panel_matmul, GROUPED: library.grouped_panel_matmul,
                     INT8_MATMUL: library.int8_panel_matmul, INT8_GROUPED: library.grouped_int8_panel_matmul,
+                    W8A8_GROUPED: library.grouped_w8a8_panel_matmul,
                     BF16_MATMUL: library.bf16_panel_matmul, BF16_GROUPED: library.grouped_bf16_panel_matmul,
                     ATTENTION: library.decode_attention, ATTENTION_INT8: library.decode_attention_int8,
                     ATTENTION_BF16: library.decode_attention_bf16, KV_WRITE: library.kv_write,
@@ -117,12 +119,22 @@ def _build_once() -> str | None:
         return f"building or loading {lib} failed: {e}"
     for name, handler in handlers.items():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
-    global _bf16_dot
+    global _bf16_dot, _int8_dot
     _bf16_dot = bool(library.grok_runner_bf16_dot())
+    _int8_dot = INT8_DOTS[library.grok_runner_int8_dot()]
     return None
 
 
 _bf16_dot = False
+INT8_DOTS = ("emulated", "AVX-VNNI", "AVX512-VNNI")  # grok_runner_int8_dot(): the w8a8 kernels' instruction
+_int8_dot = INT8_DOTS[0]
+
+
+def int8_dot() -> str:
+    """What the w8a8 kernels sum int8 products on: "AVX512-VNNI" or "AVX-VNNI" (vpdpbusd), else
+    "emulated" (the same sums from shifts and multiplies, exact and slower; also where the
+    kernels cannot be built)."""
+    return _int8_dot if available() else INT8_DOTS[0]
 
 
 def bf16_dot() -> bool:

@@ -89,15 +89,21 @@ class Choice:
     reason: str = ""  # without measurements: why it was forced or declined
     int8: bool = False
     int8_measurements: tuple[Measurement, ...] = ()
+    # In the w8a8 mode: whether the int8 weights take the int8 x int8 kernel (``w8a8_measurements``:
+    # it against the float kernel on the dequantised copy, as ``int8_measurements``)
+    w8a8: bool = False
+    w8a8_measurements: tuple[Measurement, ...] = ()
 
     def describe(self) -> str:
-        way = "int8 kernel" if self.int8 else "kernel" if self.kernel else "XLA"
+        way = ("int8 x int8 kernel" if self.w8a8 else "int8 kernel" if self.int8 else "kernel" if self.kernel
+               else "XLA")
         if self.int8_measurements and not self.int8:
             way += " on the dequantised copy" if self.kernel else "'s dot on the dequantised copy"
         if not self.measurements and not self.int8_measurements:
             return f"{self.operation}: {way} ({self.reason})"
         parts = []
-        for name, ms in (("int8 kernel speed / float kernel's", self.int8_measurements),
+        for name, ms in (("int8 x int8 kernel speed / float kernel's", self.w8a8_measurements),
+                         ("int8 kernel speed / float kernel's", self.int8_measurements),
                          ("kernel speed / XLA's", self.measurements)):
             if ms:
                 parts.append(f"{name}: " + ", ".join(f"{m.phase} {m.rows} rows {m.speedup:.2f}x" for m in ms))
@@ -126,6 +132,21 @@ def decide_int8(operation: str, int8_measurements, float_measurements) -> Choice
     int8 = all(m.speedup >= INT8_TOLERANCE and m.speedup * f.speedup > 1.0
                for m, f in zip(int8_measurements, chosen.measurements))
     return dataclasses.replace(chosen, kernel=int8 or chosen.kernel, int8=int8, int8_measurements=int8_measurements)
+
+
+def decide_w8a8(operation: str, w8a8_measurements, int8_measurements, float_measurements) -> Choice:
+    """For int8 weights in the w8a8 mode: ``decide_int8`` for the exact int8 kernel, and the int8 x
+    int8 kernel (``w8a8_measurements``, timed as ``int8_measurements``) instead where it passes the
+    same test and is at least as fast as the exact one at every shape (or the exact one fails)."""
+    chosen = decide_int8(operation, int8_measurements, float_measurements)
+    w8a8_measurements = tuple(w8a8_measurements)
+    passes = all(m.speedup >= INT8_TOLERANCE and m.speedup * f.speedup > 1.0
+                 for m, f in zip(w8a8_measurements, chosen.measurements))
+    faster = not chosen.int8 or all(w.speedup >= i.speedup
+                                    for w, i in zip(w8a8_measurements, chosen.int8_measurements))
+    w8a8 = passes and faster
+    return dataclasses.replace(chosen, kernel=w8a8 or chosen.kernel, int8=w8a8 or chosen.int8, w8a8=w8a8,
+                               w8a8_measurements=w8a8_measurements)
 
 
 # ---- the operations, both ways ---------------------------------------------------------------
@@ -157,16 +178,17 @@ def _normal(rng, shape, scale=0.02):
     return x
 
 
-def _held(w, int8: bool, dtype=jnp.float32):
-    """A synthetic float32 weight as the model holds it: in ``dtype``, or int8 per output channel."""
+def _held(w, int8, dtype=jnp.float32):
+    """A synthetic float32 weight as the model holds it: in ``dtype``, or int8 per output channel
+    (``int8`` True or "w8a8")."""
     return quantize(w, scale_dtype=jnp.bfloat16) if int8 else jnp.asarray(w, dtype)
 
 
-# With int8 weights (``int8``), the operation is timed on the int8 kernel against the float
-# kernel on their dequantised copy, taking turns: the two kernels compared directly, at the same
-# moment of the host's bandwidth (``decide_int8`` also has the float kernel against XLA's op).
+# With int8 weights (``int8`` True, or "w8a8" for the int8 x int8 kernel), the operation is
+# timed on the int8 kernel against the float kernel on their dequantised copy, taking turns: the
+# two kernels compared directly, at the same moment of the host's bandwidth (``decide_int8`` also has the float kernel against XLA's op).
 # ``dtype`` is the activations' (float32 or bfloat16), and the float weights' on both ways.
-def _moe(config: ModelConfig, tokens: int, rng, int8: bool = False, dtype=jnp.float32):
+def _moe(config: ModelConfig, tokens: int, rng, int8=False, dtype=jnp.float32):
     c = config
     d, f, e, top = c.emb_size, c.ffn_size, c.num_experts, c.num_selected_experts
     layers = _layers(c, 3 * e * d * f * 4)
@@ -176,8 +198,10 @@ def _moe(config: ModelConfig, tokens: int, rng, int8: bool = False, dtype=jnp.fl
         stacked = {"moe": {"linear": {"w": _held(_normal(rng, (e, d, f)), int8, dtype)},
                            "linear_v": {"w": _held(_normal(rng, (e, d, f)), int8, dtype)},
                            "linear_1": {"w": _held(_normal(rng, (e, f, d)), int8, dtype)}}}
-        for out, panels, kept in ((xla_layers, other, frozenset()), (kernel_layers, frozenset({"moe"}), other)):
-            held = layout.prepare(stacked, panels, kept, dtype)["moe"]
+        w8a8 = frozenset({"moe"}) if int8 == "w8a8" else frozenset()
+        for out, panels, kept, q in ((xla_layers, other, frozenset(), frozenset()),
+                                     (kernel_layers, frozenset({"moe"}), other, w8a8)):
+            held = layout.prepare(stacked, panels, kept, dtype, w8a8=q)["moe"]
             out.append(tuple(held[name]["w"] for name in ("linear", "linear_v", "linear_1")))
     # uniform routing, as an untrained router spreads tokens
     idx_Mk = jnp.asarray(np.stack([rng.permutation(e)[:top] for _ in range(tokens)]), jnp.int32)
@@ -191,7 +215,7 @@ def _moe(config: ModelConfig, tokens: int, rng, int8: bool = False, dtype=jnp.fl
     return x, (way(kernel), kernel_layers), (way(kernel if int8 else XLA_WAY), xla_layers)
 
 
-def _projections(config: ModelConfig, tokens: int, rng, int8: bool = False, dtype=jnp.float32):
+def _projections(config: ModelConfig, tokens: int, rng, int8=False, dtype=jnp.float32):
     c = config
     d, nh, kh = c.emb_size, c.num_q_heads * c.key_size, c.num_kv_heads * c.key_size
     shapes = ((d, nh), (d, kh), (d, kh), (nh, d))
@@ -199,7 +223,8 @@ def _projections(config: ModelConfig, tokens: int, rng, int8: bool = False, dtyp
     held = [tuple(_held(jnp.asarray(_normal(rng, s)), int8, dtype) for s in shapes) for _ in range(layers)]
     panels = layout.PanelWeight if dtype == jnp.float32 else layout.Bf16PanelWeight
     if int8:  # against the float kernel on the dequantised copy
-        kernel_layers = [tuple(layout.Int8PanelWeight.of(w) for w in ws) for ws in held]
+        kind = layout.W8A8PanelWeight if int8 == "w8a8" else layout.Int8PanelWeight
+        kernel_layers = [tuple(kind.of(w) for w in ws) for ws in held]
         xla_layers = [tuple(panels.of(np.asarray(dequantize(w, dtype))) for w in ws) for ws in held]
     else:
         xla_layers = held
@@ -265,7 +290,7 @@ def _sampling(config: ModelConfig, batch: int, rng, cut: bool):
 
 
 def _shapes(operation: str, config: ModelConfig, batch: int, prefill_tokens: int, kv_len: int, kv_dtype: str,
-            int8: bool = False, dtype: str = "float32"):
+            int8=False, dtype: str = "float32"):
     """(phase, rows, builder) for each shape ``operation`` is called with."""
     dtype = jnp.dtype(dtype)
     if operation in ("moe", "projections"):
@@ -281,7 +306,7 @@ def _shapes(operation: str, config: ModelConfig, batch: int, prefill_tokens: int
 
 
 def _key(operation: str, phase: str, rows: int, config: ModelConfig, kv_len: int, kv_dtype: str,
-         int8: bool = False, dtype: str = "float32") -> str:
+         int8=False, dtype: str = "float32") -> str:
     c = config
     dims = (f"D{c.emb_size} F{c.ffn_size} E{c.num_experts}k{c.num_selected_experts} N{c.num_q_heads} "
             f"K{c.num_kv_heads} H{c.key_size} V{c.vocab_size} L{c.num_layers}")
@@ -290,7 +315,9 @@ def _key(operation: str, phase: str, rows: int, config: ModelConfig, kv_len: int
     extra = f" S{kv_len}/{c.sequence_len} stacked" if operation == "attention" else ""
     if operation == "attention" and kv_dtype != "float32":  # float32: the keys as before
         extra += " int8" if kv_dtype == "int8" else f" {kv_dtype} cache"
-    extra += " int8 weights against float32" if int8 and dtype == "float32" else " int8 weights against bf16" if int8 else ""
+    kind = "w8a8" if int8 == "w8a8" else "int8"
+    if int8:
+        extra += f" {kind} weights against {'float32' if dtype == 'float32' else 'bf16'}"
     extra += " bf16 activations" if dtype == "bfloat16" and operation in WEIGHT_OPERATIONS else ""
     return f"{operation} {phase} rows{rows}{extra} {dims}"
 
@@ -362,14 +389,14 @@ def _write_cache(path: Path | None, entries: dict) -> None:
 
 def calibrate(operations, config: ModelConfig, batch: int, prefill_tokens: int, kv_len: int,
               cache: bool = True, kv_dtype: str = "float32", int8_weights=frozenset(),
-              dtype: str = "float32", counts: dict | None = None) -> dict[str, Choice]:
+              dtype: str = "float32", counts: dict | None = None, w8a8: bool = False) -> dict[str, Choice]:
     """A ``Choice`` per operation (names from ``OPERATIONS``), each measured at its shapes for
     ``config`` with ``batch`` slots, prefill chunks of ``prefill_tokens`` and decode attention over
     ``kv_len`` cache positions of ``kv_dtype`` ("float32", "bfloat16" or "int8"), with activations
     and float weights of ``dtype`` ("float32" or "bfloat16"); the operations in ``int8_weights``
     ("moe", "projections") have int8 weights: timed also on the int8 kernel against the float
-    kernel on their dequantised copy, and decided by ``decide_int8``. Measured shapes come
-    from (and go to) the cache beside the kernel library unless ``cache`` is False; ``counts``,
+    kernel on their dequantised copy, and decided by ``decide_int8`` (with ``w8a8``, the int8 x
+    int8 kernel too, and decided by ``decide_w8a8``). Measured shapes come from (and go to) the cache beside the kernel library unless ``cache`` is False; ``counts``,
     if given, is told how many shapes there were and how many were measured now. The kernels must
     be available."""
     path = _cache_path() if cache else None
@@ -378,7 +405,7 @@ def calibrate(operations, config: ModelConfig, batch: int, prefill_tokens: int, 
     for op in operations:
         if op not in OPERATIONS:
             raise ValueError(f"calibrate: unknown operation {op!r}, expected one of {OPERATIONS}")
-        for int8 in ((True, False) if op in int8_weights else (False,)):
+        for int8 in ((("w8a8",) if w8a8 else ()) + (True, False) if op in int8_weights else (False,)):
             for phase, rows, builder in _shapes(op, config, batch, prefill_tokens, kv_len, kv_dtype, int8, dtype):
                 key = _key(op, phase, rows, config, kv_len, kv_dtype, int8, dtype)
                 keyed.setdefault((op, int8), []).append(key)
@@ -398,5 +425,11 @@ def calibrate(operations, config: ModelConfig, batch: int, prefill_tokens: int, 
         return [Measurement(entries[k]["phase"], int(entries[k]["rows"]), float(entries[k]["kernel_s"]),
                             float(entries[k]["xla_s"])) for k in keyed[(op, int8)]]
 
-    return {op: decide_int8(op, measured(op, True), measured(op, False)) if op in int8_weights
-            else decide(op, measured(op, False)) for op in operations}
+    def decided(op):
+        if op not in int8_weights:
+            return decide(op, measured(op, False))
+        if w8a8:
+            return decide_w8a8(op, measured(op, "w8a8"), measured(op, True), measured(op, False))
+        return decide_int8(op, measured(op, True), measured(op, False))
+
+    return {op: decided(op) for op in operations}

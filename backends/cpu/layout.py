@@ -10,7 +10,8 @@
   grouped panel kernel, the attention projections and the embedding for the panel matmul. With
   bf16 activations they are held in bf16 panels of row pairs (``ops.Bf16PanelWeight``). Int8
   weights (``QuantizedWeight8bit``) are packed as int8 panels with float32 scales
-  (``ops.Int8PanelWeight``), which the int8 kernels read as they are: no float copy is made.
+  (``ops.Int8PanelWeight``), which the int8 kernels read as they are: no float copy is made; in
+  the w8a8 mode, as panels of row quads (``ops.W8A8PanelWeight``) for the int8 x int8 kernels.
 - **Dequantised**: an int8 weight no kernel takes is converted to the activations' dtype here, once (XLA:CPU
   multiplies by an int8 weight 20-40x slower than by a float one: BENCHMARKS.md, "Low precision on CPU").
 
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from backends.cpu.ops import Bf16PanelWeight, Int8PanelWeight, PanelTable, PanelWeight
+from backends.cpu.ops import Bf16PanelWeight, Int8PanelWeight, PanelTable, PanelWeight, W8A8PanelWeight, w8a8_fits
 from model.quant import QuantizedWeight8bit, dequantize, is_quantized
 from model.sharding import path_str
 from model.transformer import has_stacked_layers, layers_apart, layers_together
@@ -63,7 +64,7 @@ class ExpertWeights:
         return x.astype(dtype) @ dequantize(w, dtype)
 
 
-PANELS = (PanelWeight, Bf16PanelWeight, Int8PanelWeight)  # the weight kernels' layouts
+PANELS = (PanelWeight, Bf16PanelWeight, Int8PanelWeight, W8A8PanelWeight)  # the weight kernels' layouts
 
 
 @flax.struct.dataclass
@@ -116,13 +117,15 @@ def split(w, transpose: bool) -> ExpertWeights:
     return ExpertWeights(experts, transposed=transpose)
 
 
-def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="float32", layers: str = "unrolled"):
+def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="float32", layers: str = "unrolled",
+            w8a8: frozenset = frozenset()):
     """``params`` in the CPU layouts for activations of ``dtype`` (float32 or bfloat16): every MoE
     weight in panels with ``"moe"`` in ``panels``, else split per expert; the attention projections
     in panels with ``"projections"``; the embedding with ``"unembed"``. Float weights of these are
     held in ``dtype`` (float32 panels, or bf16 panels of row pairs), as the model multiplies by
-    them. An int8 weight stays int8 (``Int8PanelWeight``) where its operation is in ``int8``, and
-    is dequantised to ``dtype`` first everywhere else. Other leaves are unchanged. With
+    them. An int8 weight stays int8 (``Int8PanelWeight``) where its operation is in ``int8`` (in
+    quad panels for the int8 x int8 kernels, ``W8A8PanelWeight``, where it is in ``w8a8`` too and
+    its scale groups fit), and is dequantised to ``dtype`` first everywhere else. Other leaves are unchanged. With
     ``layers="indexed"`` (which ``CPU`` takes only with the MoE kernel, whose panels it reads the
     experts from) the stacked layers are laid out as they are (every layer's panels in one
     array, ``[L, ...]``, which the kernels read a layer of in place); otherwise each layer is laid
@@ -147,6 +150,8 @@ def prepare(params, panels: frozenset, int8: frozenset = frozenset(), dtype="flo
         held, w = w, jax.tree_util.tree_map(np.asarray, w)
         if is_quantized(w):
             if op in int8 and op in panels:
+                if op in w8a8 and w8a8_fits(w.weight.shape[-2], w.scales.shape[-2]):
+                    return W8A8PanelWeight.of(w)
                 return Int8PanelWeight.of(w)
             w = dequantize(w, dtype)
         else:

@@ -10,6 +10,10 @@ A weight ``w [K, N]`` is held as ``[ceil(N / 32), K, 32]``: panel p is columns `
 - ``bf16_panel_matmul`` and ``grouped_bf16_matmul`` are the same products by bf16 weights held
   in panels of row pairs ``[..., P, ceil(K / 2), 32, 2]`` (``pack_pairs``): on AVX512-BF16's
   pairwise dot where the CPU has it, widened to float32 in registers where not.
+- ``w8a8_panel_matmul`` and ``grouped_w8a8_matmul`` multiply by int8 weights held in panels of
+  row quads ``[..., P, ceil(K / 32) * 8, 32, 4]`` (``pack_quads``) with each row of x rounded to
+  int8 per block of 32 (llama.cpp's q8_0 dot, on AVX512-VNNI or AVX-VNNI's ``vpdpbusd`` where the
+  CPU has one): the ``--quantize w8a8`` mode, not Grok-1's exact product (``w8a8_reference``).
 - Each of these also takes ``layer``: the weight is then every layer's, stacked on a leading axis
   (``[L, ...]``), and layer ``layer`` (a traced int32 scalar) is read in place (``in_layer``),
   which lets the layers run as one compiled loop (``model.transformer``'s ``"indexed"`` stack):
@@ -229,6 +233,105 @@ def grouped_int8_matmul(x, panels, scales, sizes, n: int, bf16: bool = False, la
     return jax.ffi.ffi_call(build.INT8_GROUPED, out)(x, panels, scales, sizes.astype(jnp.int32), bf16=bool(bf16))
 
 
+W8A8_BLOCK = 32  # the activations' rounding block along K (q8_0's), and the quad panels' K padding
+
+
+def pack_quads(weight, scales):
+    """An int8 weight ``[..., K, N]`` with scales ``[..., G, N]`` as the w8a8 kernels read it:
+    int8 panels of row quads ``[..., P, Kp / 4, 32, 4]`` (Kp: K rounded up to 32, zero rows past
+    K; rows 4j .. 4j + 3 of a column side by side, vpdpbusd's operand), the compensation
+    ``[..., P, Kp / 32, 32]`` int32 (-128 times each block's column sums: the kernel feeds the
+    activations in as q + 128) and float32 scale panels ``[..., P, G, 32]``."""
+    weight = np.asarray(weight, np.int8)
+    *lead, k, n = weight.shape
+    kp = -(-k // W8A8_BLOCK) * W8A8_BLOCK
+    if kp != k:
+        weight = np.concatenate([weight, np.zeros((*lead, kp - k, n), np.int8)], axis=-2)
+    panels = pack(weight, np.int8)  # [..., P, Kp, 32]
+    *_, p, _, _ = panels.shape
+    quads = host_empty((*lead, p, kp // 4, PANEL, 4), np.int8, huge=True)
+    quads[...] = panels.reshape(*lead, p, kp // 4, 4, PANEL).swapaxes(-1, -2)
+    comp = (-128 * panels.reshape(*lead, p, kp // W8A8_BLOCK, W8A8_BLOCK, PANEL).astype(np.int32).sum(-2))
+    return quads, comp.astype(np.int32), pack(np.asarray(scales, np.float32), np.float32)
+
+
+def w8a8_fits(k: int, groups: int) -> bool:
+    """Whether an int8 weight of depth ``k`` in ``groups`` scale groups takes the w8a8 kernels:
+    each group a whole number of the activations' blocks of 32 (one group always does)."""
+    return groups == 1 or (k % groups == 0 and (k // groups) % W8A8_BLOCK == 0)
+
+
+def w8a8_reference(x, weight, scales):
+    """What the w8a8 kernels compute, in numpy (float64 sums of exact int32 block sums): each row
+    of ``x [..., K]`` rounded to int8 per block of 32 along K (scale = the block's largest
+    magnitude / 127 in float32; q = x * (1 / scale) rounded to nearest even), times the int8
+    ``weight [K, N]`` with ``scales [G, N]``."""
+    x = np.asarray(x, np.float32)
+    weight, scales = np.asarray(weight, np.int64), np.asarray(scales, np.float32)
+    k, n = weight.shape
+    kp = -(-k // W8A8_BLOCK) * W8A8_BLOCK
+    rows = np.zeros((*x.shape[:-1], kp), np.float32)
+    rows[..., :k] = x
+    blocks = rows.reshape(*x.shape[:-1], kp // W8A8_BLOCK, W8A8_BLOCK)
+    d = np.max(np.abs(blocks), axis=-1) / np.float32(127)
+    inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(blocks * inverse[..., None]), -127, 127).astype(np.int64)
+    w = np.zeros((kp, n), np.int64)
+    w[:k] = weight
+    sums = np.einsum("...bi,bin->...bn", q, w.reshape(kp // W8A8_BLOCK, W8A8_BLOCK, n))  # exact int
+    if not w8a8_fits(k, scales.shape[0]):
+        raise ValueError(f"w8a8_reference: {scales.shape[0]} scale groups do not fit K={k}'s blocks of {W8A8_BLOCK}")
+    group = np.repeat(scales, (kp // W8A8_BLOCK) // scales.shape[0], axis=0)  # [blocks, N]: each block's scales
+    return np.sum(sums * d[..., None].astype(np.float64) * group.astype(np.float64), axis=-2).astype(np.float32)
+
+
+def _check_w8a8(name: str, x, panels, comp, scales, n: int) -> None:
+    if x.dtype != jnp.float32 or panels.dtype != jnp.int8 or comp.dtype != jnp.int32 or scales.dtype != jnp.float32:
+        raise ValueError(f"{name} takes float32 x, int8 quad panels, int32 comp and float32 scales, got {x.dtype}, "
+                         f"{panels.dtype}, {comp.dtype} and {scales.dtype}")
+    blocks = -(-x.shape[-1] // W8A8_BLOCK)
+    if panels.shape[-3:] != (blocks * W8A8_BLOCK // 4, PANEL, 4) or comp.shape[-2:] != (blocks, PANEL):
+        raise ValueError(f"x {x.shape} does not match quad panels {panels.shape} and comp {comp.shape} "
+                         f"([..., P, {blocks * W8A8_BLOCK // 4}, {PANEL}, 4] and [..., P, {blocks}, {PANEL}])")
+    if (scales.shape[:-2] != panels.shape[:-3] or comp.shape[:-2] != panels.shape[:-3] or scales.shape[-1] != PANEL
+            or blocks % scales.shape[-2]):
+        raise ValueError(f"scales {scales.shape} do not match quad panels {panels.shape} ([..., P, G, {PANEL}], G "
+                         f"dividing K's {blocks} blocks of {W8A8_BLOCK})")
+    p = panels.shape[-4]
+    if not (p - 1) * PANEL < n <= p * PANEL:
+        raise ValueError(f"n={n} is not the width of {p} panels of {PANEL}")
+    build.require()
+
+
+def w8a8_panel_matmul(x, panels, comp, scales, n: int, layer=None):
+    """``x [..., K] @ w [K, n]`` with ``w`` int8 in quad panels (``pack_quads``: ``panels [P, Kp / 4,
+    32, 4]``, ``comp [P, Kp / 32, 32]``, ``scales [P, G, 32]``) and each row of x rounded to int8
+    per block of 32 (``w8a8_reference``): ``[..., n]`` float32. ``layer`` as in ``panel_matmul``."""
+    rows = x.reshape(-1, x.shape[-1])
+    if layer is not None:
+        rows, panels, sizes, comp, scales = _rows_in_layer(x, panels, layer, comp, scales)
+    else:
+        panels, comp, scales = panels[None], comp[None], scales[None]
+        sizes = jnp.full((1,), rows.shape[0], jnp.int32)
+    return grouped_w8a8_matmul(rows, panels, comp, scales, sizes, n).reshape(*x.shape[:-1], n)
+
+
+def grouped_w8a8_matmul(x, panels, comp, scales, sizes, n: int, layer=None):
+    """``grouped_matmul`` with int8 experts in quad panels (``panels [E, P, Kp / 4, 32, 4]``, ``comp
+    [E, P, Kp / 32, 32]``, ``scales [E, P, G, 32]``), multiplied as in ``w8a8_panel_matmul``
+    (``layer`` as in ``grouped_matmul``)."""
+    if layer is not None:
+        panels, sizes, comp, scales = in_layer(panels, sizes, layer, comp, scales)
+    if x.ndim != 2 or panels.ndim != 5 or comp.ndim != 4 or scales.ndim != 4:
+        raise ValueError(f"x {x.shape}, quad panels {panels.shape}, comp {comp.shape} and scales {scales.shape} "
+                         f"must be [R, K], [E, P, Kp / 4, {PANEL}, 4], [E, P, Kp / 32, {PANEL}] and [E, P, G, {PANEL}]")
+    if sizes.shape != (panels.shape[0],):
+        raise ValueError(f"sizes {sizes.shape} must have one entry per expert ({panels.shape[0]})")
+    _check_w8a8("grouped_w8a8_matmul", x, panels, comp, scales, n)
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(build.W8A8_GROUPED, out)(x, panels, comp, scales, sizes.astype(jnp.int32))
+
+
 MAX_HEAD, MAX_GROUP = 128, 16  # attention.cc's kMaxHeadDim, kMaxHeadsPerKv
 
 
@@ -413,6 +516,41 @@ class Int8PanelWeight(_Panels):
 
     def __matmul__(self, x):
         raise TypeError("use int8_panel_matmul(x, w.panels, w.scales, w.width): x @ Int8PanelWeight is not defined")
+
+
+@flax.struct.dataclass
+class W8A8PanelWeight:
+    """An int8 weight (``model.quant.QuantizedWeight8bit``) held for the w8a8 kernels
+    (``pack_quads``): quad panels, their compensation and scale panels. A plain weight for
+    ``w8a8_panel_matmul``, stacked experts for ``grouped_w8a8_matmul``."""
+
+    panels: jax.Array
+    comp: jax.Array
+    scales: jax.Array
+    depth: int = flax.struct.field(pytree_node=False)  # K
+    width: int = flax.struct.field(pytree_node=False)  # N
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.panels.shape[:-4], self.depth, self.width)
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.int8)
+
+    @classmethod
+    def of(cls, w) -> "W8A8PanelWeight":
+        """From a ``QuantizedWeight8bit`` whose groups fit (``w8a8_fits``; ``ValueError`` otherwise)."""
+        k, groups = w.weight.shape[-2], w.scales.shape[-2]
+        if not w8a8_fits(k, groups):
+            raise ValueError(f"W8A8PanelWeight: {groups} scale groups of K={k} are not whole blocks of {W8A8_BLOCK}")
+        panels, comp, scales = pack_quads(w.weight, w.scales)
+        return cls(jax.device_put(panels), jax.device_put(comp), jax.device_put(scales), depth=w.weight.shape[-2],
+                   width=w.weight.shape[-1])
+
+    def __matmul__(self, x):
+        raise TypeError("use w8a8_panel_matmul(x, w.panels, w.comp, w.scales, w.width): x @ W8A8PanelWeight is not "
+                        "defined")
 
 
 @flax.struct.dataclass

@@ -24,6 +24,7 @@
 // bytes of the weights, and widening costs 2 instructions per 16 weights.)
 #include <immintrin.h>
 
+#include <cmath>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -484,6 +485,209 @@ ffi::Error Bf16GroupedPanelMatmul(ffi::ThreadPool pool, Rows x, Bf16ExpertPanels
   return Run(pool, weights, num_panels, n, k2);
 }
 
+
+// ---- int8 x int8 (w8a8) ----------------------------------------------------------------------
+// The int8 dot of llama.cpp's q8_0 (an opt-in mode, `--quantize w8a8`; not Grok-1's exact
+// product): each row of x is rounded to int8 per block of 32 along K (scale = the block's largest
+// magnitude / 127, to nearest even), and each block's products with the int8 weight are summed
+// exactly in int32 before one float multiply by the two scales. The weight is held as panels of
+// row quads [P, Kp / 4, 32, 4] (Kp: K rounded up to 32, zero rows past K): rows 4j .. 4j + 3 of
+// a column in one 32-bit lane, the operand layout of VNNI's vpdpbusd (unsigned x signed bytes,
+// four products summed into an int32 lane). vpdpbusd takes one side unsigned, so the rows go in
+// as q + 128 and each block's sum starts from comp = -128 x (the block's column sums of w),
+// precomputed [P, Kp / 32, 32]. Decode reads a quarter of float32's weight bytes with one
+// instruction per 64 of them, where the int8 x float path widens and converts each.
+constexpr int64_t kBlock = 32;
+typedef int32_t ivec __attribute__((vector_size(sizeof(vec))));
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+constexpr int kInt8Dot = 2;  // AVX512-VNNI
+inline ivec dot4(ivec acc, ivec a, ivec w) { return (ivec)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)a, (__m512i)w); }
+#elif defined(__AVXVNNI__) && !defined(__AVX512F__)
+constexpr int kInt8Dot = 1;  // AVX-VNNI (256 bits)
+inline ivec dot4(ivec acc, ivec a, ivec w) {
+  return (ivec)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)a, (__m256i)w);
+}
+#else
+constexpr int kInt8Dot = 0;  // the same sums from shifts and multiplies: exact, slower
+inline ivec dot4(ivec acc, ivec a, ivec w) {
+  for (int t = 0; t < 4; ++t) acc += ((a >> (8 * t)) & 0xff) * ((w << (24 - 8 * t)) >> 24);
+  return acc;
+}
+#endif
+inline ivec load_ivec(const void* p) { ivec v; std::memcpy(&v, p, sizeof v); return v; }
+
+// The rows of x rounded to int8 per block: u [rows, Kp] as q + 128, scales [rows, Kp / 32].
+struct QuantRows {
+  std::vector<uint8_t> u;
+  std::vector<float> scales;
+  int64_t kp = 0;
+};
+
+QuantRows quantize_rows(const float* x, int64_t rows, int64_t k) {
+  QuantRows q;
+  q.kp = (k + kBlock - 1) / kBlock * kBlock;
+  int64_t blocks = q.kp / kBlock;
+  q.u.assign(rows * q.kp, 128);
+  q.scales.assign(rows * blocks, 0.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * k + b * kBlock;
+      int64_t size = std::min(kBlock, k - b * kBlock);
+      float amax = 0.0f;
+      for (int64_t i = 0; i < size; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      float d = amax / 127.0f, id = amax > 0.0f ? 1.0f / d : 0.0f;
+      q.scales[r * blocks + b] = d;
+      uint8_t* ub = q.u.data() + r * q.kp + b * kBlock;
+      for (int64_t i = 0; i < size; ++i)
+        ub[i] = uint8_t(int(std::clamp(std::nearbyint(xb[i] * id), -127.0f, 127.0f)) + 128);
+    }
+  return q;
+}
+
+struct Quad {  // a weight byte of a quad panel: picks the w8a8 overload of `panels`
+  int8_t bits;
+};
+
+// One weight's quad panels, comp [P, Kp / 32, 32] and scales [P, G, 32].
+struct QuadWeight {
+  const int8_t* panels;
+  const int32_t* comp;
+  const float* scales;
+  int64_t groups;
+};
+
+// Rows a pass keeps in registers: an int32 and a float accumulator per row and column vector.
+constexpr int kQuadRows = kVectorRegisters >= 32 ? 6 : 1;
+
+// out[m0 .. m0 + MB, columns of panel p] from quad panel wp (Kp / 4 quads), comp cp, scales sp.
+template <int MB>
+void quad_panel(const QuantRows& x, const QuadWeight& w, float* out, int64_t m0, int64_t n, int64_t p) {
+  int64_t kp = x.kp, blocks = kp / kBlock, per_group = blocks / w.groups;
+  const int8_t* wp = w.panels + p * kp * kPanel;
+  const int32_t* cp = w.comp + p * blocks * kPanel;
+  const float* sp = w.scales + p * w.groups * kPanel;
+  vec acc[MB][kPanelVectors] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    ivec sums[MB][kPanelVectors];
+    for (int v = 0; v < kPanelVectors; ++v) {
+      ivec c = load_ivec(cp + b * kPanel + v * kLanes);
+      for (int m = 0; m < MB; ++m) sums[m][v] = c;
+    }
+    for (int64_t j = b * kBlock / 4; j < (b + 1) * kBlock / 4; ++j) {
+      ivec wv[kPanelVectors];
+      for (int v = 0; v < kPanelVectors; ++v) wv[v] = load_ivec(wp + (j * kPanel + v * kLanes) * 4);
+      for (int m = 0; m < MB; ++m) {
+        int32_t four;
+        std::memcpy(&four, x.u.data() + (m0 + m) * kp + 4 * j, sizeof four);
+        ivec a = ivec{} + four;
+        for (int v = 0; v < kPanelVectors; ++v) sums[m][v] = dot4(sums[m][v], a, wv[v]);
+      }
+    }
+    const float* sg = sp + (b / per_group) * kPanel;
+    for (int v = 0; v < kPanelVectors; ++v) {
+      vec s = load_vec(sg + v * kLanes);
+      for (int m = 0; m < MB; ++m)
+        acc[m][v] += __builtin_convertvector(sums[m][v], vec) * (s * x.scales[(m0 + m) * blocks + b]);
+    }
+  }
+  int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+  for (int m = 0; m < MB; ++m) {
+    float* o = out + (m0 + m) * n + col;
+    float tmp[kPanel];
+    float* dst = cols == kPanel ? o : tmp;
+    for (int v = 0; v < kPanelVectors; ++v) store_vec(dst + v * kLanes, acc[m][v]);
+    if (cols != kPanel) std::memcpy(o, tmp, cols * sizeof(float));
+  }
+}
+
+template <int MB>
+void quad_rows(const QuantRows& x, const QuadWeight& w, float* out, int64_t m, int64_t rows, int64_t n, int64_t p) {
+  if constexpr (MB > 0) {
+    if (rows - m == MB) return quad_panel<MB>(x, w, out, m, n, p);
+    quad_rows<MB - 1>(x, w, out, m, rows, n, p);
+  }
+}
+
+// `rows` rows of x starting at row `first` against panels p0 .. p1 (out at row `first`).
+struct QuadItem {
+  const QuantRows* x;
+  QuadWeight w;
+  float* out;
+  int64_t first, rows, p0, p1;
+};
+
+void quad_panels(const QuadItem& it, int64_t n) {
+  for (int64_t p = it.p0; p < it.p1; ++p) {
+    int64_t m = 0;
+    for (; it.rows - m > kQuadRows; m += kQuadRows) quad_panel<kQuadRows>(*it.x, it.w, it.out, it.first + m, n, p);
+    quad_rows<kQuadRows>(*it.x, it.w, it.out, it.first + m, it.first + it.rows, n, p);
+  }
+}
+
+// As Run: each weight's panels in chunks, a few per thread, from one counter.
+ffi::Error RunQuads(ffi::ThreadPool& pool, const std::vector<QuadItem>& weights, int64_t num_panels, int64_t n) {
+  int64_t threads = std::max<int64_t>(1, pool.num_threads()), total = 0;
+  auto cost = [](const QuadItem& one) { return one.rows + 2; };
+  for (const QuadItem& one : weights) total += num_panels * cost(one);
+  int64_t target = std::max<int64_t>(1, total / (4 * threads));
+  std::vector<QuadItem> items;
+  for (const QuadItem& one : weights) {
+    int64_t chunk = std::max<int64_t>(1, target / cost(one));
+    for (int64_t p = 0; p < num_panels; p += chunk) {
+      QuadItem part = one;
+      part.p0 = p;
+      part.p1 = std::min(num_panels, p + chunk);
+      items.push_back(part);
+    }
+  }
+  ParallelFor(pool, items.size(), [&](int64_t i) { quad_panels(items[i], n); });
+  return ffi::Error::Success();
+}
+
+using QuadPanels = ffi::Buffer<ffi::S8, 5>;       // [E, P, Kp / 4, 32, 4]
+using QuadComp = ffi::Buffer<ffi::S32, 4>;        // [E, P, Kp / 32, 32]
+
+// x [R, K] grouped by expert (sizes [E]) times quad panels [E, P, Kp / 4, 32, 4] -> out [R, N];
+// a plain product is one expert holding every row.
+ffi::Error GroupedW8A8PanelMatmul(ffi::ThreadPool pool, Rows x, QuadPanels w, QuadComp comp, ExpertScales scales,
+                                  Sizes sizes, ffi::ResultBuffer<ffi::F32, 2> out) {
+  auto xd = x.dimensions(), wd = w.dimensions(), cd = comp.dimensions(), sd = scales.dimensions(),
+       od = out->dimensions();
+  int64_t experts = wd[0], num_panels = wd[1], rows = xd[0], k = xd[1], n = od[1];
+  int64_t kp = (k + kBlock - 1) / kBlock * kBlock, blocks = kp / kBlock, groups = sd[2];
+  auto fail = [](const char* what) {
+    return ffi::Error::InvalidArgument(std::string("grouped_w8a8_panel_matmul: ") + what);
+  };
+  if (wd[2] != kp / 4 || wd[3] != kPanel || wd[4] != 4) return fail("w must be [E, P, ceil(K / 32) * 8, 32, 4]");
+  if (cd[0] != experts || cd[1] != num_panels || cd[2] != blocks || cd[3] != kPanel)
+    return fail("comp must be [E, P, ceil(K / 32), 32]");
+  if (sd[0] != experts || sd[1] != num_panels || sd[3] != kPanel || groups <= 0 || blocks % groups != 0)
+    return fail("scales must be [E, P, G, 32] with G dividing K's blocks of 32");
+  if (od[0] != rows || !Matches(num_panels, n)) return fail("x [R, K] and out [R, N] do not match w");
+  if (sizes.element_count() != experts) return fail("sizes must have one entry per expert");
+  int64_t start = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    int64_t size = sizes.typed_data()[e];
+    if (size < 0 || size > rows - start) return fail("group sizes must be >= 0 and sum to at most R");
+    start += size;
+  }
+  QuantRows q = quantize_rows(x.typed_data(), start, k);  // the rows past the groups are not read
+  std::vector<QuadItem> weights;
+  start = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    int64_t size = sizes.typed_data()[e];
+    if (size > 0)
+      weights.push_back({&q,
+                         {w.typed_data() + e * num_panels * kp * kPanel,
+                          comp.typed_data() + e * num_panels * blocks * kPanel,
+                          scales.typed_data() + e * num_panels * groups * kPanel, groups},
+                         out->typed_data(), start, size, 0, 0});
+    start += size;
+  }
+  std::memset(out->typed_data() + start * n, 0, (rows - start) * n * sizeof(float));
+  return RunQuads(pool, weights, num_panels, n);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(panel_matmul, PanelMatmul,
@@ -537,3 +741,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(grouped_bf16_panel_matmul, Bf16GroupedPanelMatmul,
                                   .Arg<Bf16ExpertPanels>()
                                   .Arg<Sizes>()
                                   .Ret<Rows>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(grouped_w8a8_panel_matmul, GroupedW8A8PanelMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Rows>()
+                                  .Arg<QuadPanels>()
+                                  .Arg<QuadComp>()
+                                  .Arg<ExpertScales>()
+                                  .Arg<Sizes>()
+                                  .Ret<Rows>());
+
+// Which instruction the w8a8 kernels sum on: 2 AVX512-VNNI, 1 AVX-VNNI, 0 neither (shifts and
+// multiplies, the same sums): what build.int8_dot() reports.
+extern "C" int grok_runner_int8_dot() { return kInt8Dot; }
