@@ -61,7 +61,7 @@ def test_an_int8_kernel_is_taken_only_where_it_beats_xla_and_the_float_kernel():
 
 @needs_kernel
 def test_the_runner_declines_a_kernel_the_calibration_finds_slower(tiny_params, private_cache, monkeypatch):
-    slower = {"moe", "unembed", "sampling_cut"}
+    slower = {"moe", "unembed", "sampling_cut", "attention"}
 
     def measure(shapes):
         measure.calls += 1
@@ -79,6 +79,8 @@ def test_the_runner_declines_a_kernel_the_calibration_finds_slower(tiny_params, 
     assert isinstance(layer["multi_head_attention"]["query"]["w"], panel.PanelWeight)  # the faster projections
     assert not isinstance(engine.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
     assert "moe: XLA (kernel speed / XLA's: decode 1 rows 0.50x, prefill 64 rows 0.50x)" in engine.backend_report()
+    # the attention on XLA's op, and the cache still written in place (never slower than a scatter)
+    assert engine.selection.backend.write_in_place and "KV cache written in place" in engine.backend_report()
 
     # the measurement is cached beside the library: a second runner of the same shapes only reads it
     cached = json.loads(private_cache.read_text())

@@ -333,7 +333,7 @@ def test_without_the_kernels_the_cpu_backend_keeps_xla_ops(monkeypatch):
     params = init_params(TINY, jax.random.PRNGKey(0))
     engine = ModelRunner(model=TINY, params=params, backend="auto")
     engine = Executor.create(engine)
-    assert engine.selection.backend == CPU()
+    assert engine.selection.backend == CPU() and not engine.selection.backend.write_in_place
     assert isinstance(_moe_weight(engine), ExpertWeights)
     assert "moe: XLA (it needs no C++ compiler found (test))" in engine.backend_report()
     with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
@@ -513,7 +513,11 @@ def test_the_cache_write_equals_the_scatter_and_is_in_place(kind):
     new = jnp.asarray(rng.standard_normal((b, t, kv, h)), jnp.float32)
     rows = jnp.asarray([[0] * t, [2] * t, [3] * t, [1] * t], jnp.int32)
     positions = jnp.asarray([[0, 1, 2], [13, 14, 15], [14, 15, 16], [4, 5, 99]], jnp.int32)  # some past the cache: dropped
-    backend = CPU(on=frozenset({"attention"}))
+    # in place with the attention kernel, and without it where asked (runner.selection asks
+    # wherever the kernels are built: the write is never slower than XLA's scatter)
+    assert CPU(on=frozenset({"attention"})).write_in_place and not CPU(on=frozenset({"moe"})).write_in_place
+    backend = CPU(on=frozenset({"moe"}), write_in_place=True)
+    assert "KV cache written in place" in backend.describe()
     for layer in range(layers):
         want = write_kv(stack, layer, rows, positions, new)
         got = jax.jit(backend.write_kv)(stack, jnp.int32(layer), rows, positions, new)

@@ -46,11 +46,20 @@ class CPU(XLA):
     # layers are unrolled, each over its own buffers (measured: BENCHMARKS.md, "Scan over layers"
     # and "The CPU stack as one loop").
     layers: str = "auto"
+    # Whether the KV cache is written in place (``ops.kv_write``, byte for byte) rather than by
+    # XLA's scatter; None: where ``attention`` is taken. ``runner.selection`` sets it wherever the
+    # kernels are built: the write is never slower, and XLA:CPU's scatter into a bf16 stack copies
+    # the whole stack every layer, which made a bf16 batch-1 decode 2.5x slower where the
+    # attention kernel itself measured a tie with XLA's (AMD EPYC, 2 cores: 53 tokens/s against
+    # 131; docs/benchmarks-history.md, issue 52).
+    write_in_place: bool | None = None
     name = "cpu"
 
     def __post_init__(self):
         if self.layers == "auto":
             object.__setattr__(self, "layers", "indexed" if "moe" in self.on else "unrolled")
+        if self.write_in_place is None:
+            object.__setattr__(self, "write_in_place", "attention" in self.on)
         if self.layers == "indexed" and "moe" not in self.on:
             raise ValueError("CPU(layers='indexed') reads the experts from panels: it needs 'moe' in on")
         super().__post_init__()
@@ -72,8 +81,9 @@ class CPU(XLA):
         if jnp.dtype(self.dtype) == jnp.bfloat16 and self.on & {"moe", "projections", "unembed"}:
             how = "AVX512-BF16 dot" if build.bf16_dot() else "widened to float32 (no AVX512-BF16)"
             bf16 = f"; bf16 weights: {how}"
+        writes = "; KV cache written in place" if self.write_in_place and "attention" not in self.on else ""
         return (f"cpu (on the C++ kernels: {kernels}; experts {experts}"
-                f"{'; int8 weights read as int8: ' + int8 if int8 else ''}{bf16}; layers {self.layers})")
+                f"{'; int8 weights read as int8: ' + int8 if int8 else ''}{bf16}{writes}; layers {self.layers})")
 
     def prepare(self, params):
         return layout.prepare(params, frozenset(self.on), frozenset(self.int8), self.dtype, self.layers,
@@ -152,7 +162,7 @@ class CPU(XLA):
                                                                     config.key_size)
 
     def write_kv(self, cache, layer, rows_BT, positions_BT, new_BTKH):
-        if "attention" in self.on:
+        if self.write_in_place:
             # in place, byte for byte: XLA:CPU's scatter into a bf16 stack copies the whole stack
             # for every layer (bench config, batch 8, KV 512, 2-core Xeon: a bf16 decode step
             # 20 ms against 80; float32 and int8 the same either way)
