@@ -11,7 +11,10 @@ still runs through the attention and the dense layers of a fixed batch; what the
 pay for is the MoE's experts (issue 22: the 1-live step within 15% of a 1-slot runner's).
 ``--prefill P,...`` also times a prompt of P tokens (prefill and its first token, a 1-slot
 runner; medians of ``--rounds``), in one bucket of ``sequence_len`` (``--buckets context``: the
-bucket's padding should cost less than its real tokens) or in the default buckets and chunks.
+bucket's padding should cost less than its real tokens) or in the default buckets and chunks;
+``--together N`` also times N such prompts at once through a runner of N slots (its rounds:
+chunks under the token budget, beside the decode calls of the prompts already done), each with
+its first token, medians of ``--rounds``: what serving's prefill costs against one alone.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ def main(argv=None) -> None:
     p.add_argument("--buckets", choices=["context", "default"], default="context",
                    help="--prefill in one bucket of sequence_len, or in the runner's default buckets")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--quantize", choices=["int8"], default=None)
+    p.add_argument("--together", type=int, default=0, help="--prefill's prompts also N at once, N slots")
+    p.add_argument("--quantize", choices=["int8", "w8a8"], default=None)
     p.add_argument("--out")
     args = p.parse_args(argv)
     model = dict(dtype=args.dtype, quantize=args.quantize)
@@ -77,7 +81,7 @@ def main(argv=None) -> None:
             if i:
                 times[(slots, live)].append((time.perf_counter() - start) / args.steps * 1e3)
     med = {key: statistics.median(t) for key, t in times.items()}
-    print(f"{cpu()}; bench config in {args.dtype}{', int8 weights' if args.quantize else ''}, "
+    print(f"{cpu()}; bench config in {args.dtype}{', ' + args.quantize + ' weights' if args.quantize else ''}, "
           f"{engine.selection.backend.describe()}")
     print(f"context {args.context}, {args.steps} steps a call, medians of {args.rounds}")
     print(f"| live requests L | {args.slots}-slot runner, ms/step | L-slot runner, ms/step | ratio |")
@@ -104,9 +108,31 @@ def main(argv=None) -> None:
             prefill[length] = statistics.median(took) * 1e3
             where = f"a {BENCH.sequence_len}-token bucket" if args.buckets == "context" else "the default buckets"
             print(f"prefill of {length} tokens in {where}: {prefill[length]:.0f} ms")
+    together = {}
+    if args.prefill and args.together:
+        runner = InferenceRunner(runner=ModelRunner(model=BENCH, params=params, **model), batch_size=args.together,
+                                 pad_sizes=(BENCH.sequence_len,) if args.buckets == "context" else None)
+        runner = runner.initialize()
+        rng = np.random.default_rng(1)
+        for length in [int(x) for x in args.prefill.split(",")]:
+            def requests():
+                return [Request(rng.integers(4, BENCH.vocab_size, length).tolist(), temperature=0.0, max_len=1)
+                        for _ in range(args.together)]
+            runner.generate(requests())  # warm
+            took = []
+            for _ in range(args.rounds):
+                batch = requests()
+                start = time.perf_counter()
+                runner.generate(batch)
+                took.append(time.perf_counter() - start)
+            together[length] = statistics.median(took) * 1e3
+            rate = args.together * length / together[length] * 1e3
+            print(f"{args.together} prompts of {length} tokens at once, {args.together} slots: {together[length]:.0f} ms "
+                  f"({rate:.0f} tokens/s; alone: {length / prefill[length] * 1e3:.0f})")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"cpu": cpu(), "args": vars(args), "rows": rows, "prefill_ms": prefill}, f, indent=1)
+            json.dump({"cpu": cpu(), "args": vars(args), "rows": rows, "prefill_ms": prefill,
+                       "together_ms": together}, f, indent=1)
 
 
 if __name__ == "__main__":
