@@ -300,8 +300,22 @@ def attend_blocked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, q
 def positions(cache, take, dtype):
     """``take`` (some positions: an operation on axis 2) of a cache ``[B, K, S, H]``, a float
     array or an int8 record whose leaves share those axes (``model.memory.QuantizedKV``), in
-    ``dtype``."""
-    return jax.tree_util.tree_map(take, cache).astype(dtype)
+    ``dtype``. A bf16 cache is taken as its 16-bit patterns (``moved_as_bits``)."""
+    return jax.tree_util.tree_map(moved_as_bits(take), cache).astype(dtype)
+
+
+def moved_as_bits(take):
+    """``take`` (slices and gathers: data moved, not computed) applied to a bf16 array as its
+    16-bit patterns. XLA:CPU has no bf16 slice or gather: it widens the operand to float32
+    first, and where the operand is a loop's invariant (the KV stack, in a prefill's loops over
+    layers and key blocks) it widened the whole stack, every call: bench config, bf16, 8 slots, a
+    512-token prefill 610 ms of which 133 widened the two stacks (AMD EPYC, 2 cores,
+    ``python -m bench.profile``). As bits nothing is widened but the block read."""
+    def moved(a):
+        if a.dtype != jnp.bfloat16:
+            return take(a)
+        return jax.lax.bitcast_convert_type(take(jax.lax.bitcast_convert_type(a, jnp.uint16)), jnp.bfloat16)
+    return moved
 
 
 def attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperature_BT=None):
