@@ -480,6 +480,15 @@ class _Panels:
         return self.panels.dtype
 
 
+class _RowGroupPanels:
+    """What a weight held in panels of row groups (``[..., P, K / g, 32, g]``: bf16 pairs, int8
+    quads) says of its shape, which its panels no longer show: ``depth`` K and ``width`` N."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.panels.shape[:-4], self.depth, self.width)
+
+
 @flax.struct.dataclass
 class PanelWeight(_Panels):
     """A float32 weight ``[..., K, N]`` held as column panels ``[..., ceil(N / 32), K, 32]``: a
@@ -519,7 +528,7 @@ class Int8PanelWeight(_Panels):
 
 
 @flax.struct.dataclass
-class W8A8PanelWeight:
+class W8A8PanelWeight(_RowGroupPanels):
     """An int8 weight (``model.quant.QuantizedWeight8bit``) held for the w8a8 kernels
     (``pack_quads``): quad panels, their compensation and scale panels. A plain weight for
     ``w8a8_panel_matmul``, stacked experts for ``grouped_w8a8_matmul``."""
@@ -529,10 +538,6 @@ class W8A8PanelWeight:
     scales: jax.Array
     depth: int = flax.struct.field(pytree_node=False)  # K
     width: int = flax.struct.field(pytree_node=False)  # N
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (*self.panels.shape[:-4], self.depth, self.width)
 
     @property
     def dtype(self):
@@ -554,7 +559,7 @@ class W8A8PanelWeight:
 
 
 @flax.struct.dataclass
-class Bf16PanelWeight:
+class Bf16PanelWeight(_RowGroupPanels):
     """A bf16 weight ``[..., K, N]`` held as bf16 panels of row pairs ``[..., ceil(N / 32),
     ceil(K / 2), 32, 2]`` (``pack_pairs``, the bits as uint16): a plain weight for
     ``bf16_panel_matmul``, stacked experts for ``grouped_bf16_matmul``."""
@@ -562,10 +567,6 @@ class Bf16PanelWeight:
     panels: jax.Array
     depth: int = flax.struct.field(pytree_node=False)  # K
     width: int = flax.struct.field(pytree_node=False)  # N
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (*self.panels.shape[:-4], self.depth, self.width)
 
     @property
     def dtype(self):

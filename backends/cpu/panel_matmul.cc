@@ -74,6 +74,19 @@ inline vec widen(const int8_t* p) {  // sign-extend and convert: vpmovsxbd + vcv
 #endif
 }
 
+// out[m0 .. m0 + MB, columns of panel p] = acc, the columns past N left out.
+template <int MB>
+void store_rows(const vec (&acc)[MB][kPanelVectors], float* out, int64_t m0, int64_t n, int64_t p) {
+  int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+  for (int m = 0; m < MB; ++m) {
+    float* o = out + (m0 + m) * n + col;
+    float tmp[kPanel];
+    float* dst = cols == kPanel ? o : tmp;
+    for (int v = 0; v < kPanelVectors; ++v) store_vec(dst + v * kLanes, acc[m][v]);
+    if (cols != kPanel) std::memcpy(o, tmp, cols * sizeof(float));
+  }
+}
+
 // out[m0 .. m0 + MB, columns of panel p] for one panel (its weights wp; for int8 its scales sp
 // [G, 32], null for float32); `cols` of its 32 columns are real. An int8 row is widened and
 // multiplied by its group's scale before the products: the float32 dequantised weight, exactly
@@ -98,14 +111,7 @@ void panel(const float* x, const T* wp, const float* sp, int64_t groups, float* 
       }
     }
   }
-  int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-  for (int m = 0; m < MB; ++m) {
-    float* o = out + (m0 + m) * n + col;
-    float tmp[kPanel];
-    float* dst = cols == kPanel ? o : tmp;
-    for (int v = 0; v < kPanelVectors; ++v) store_vec(dst + v * kLanes, acc[m][v]);
-    if (cols != kPanel) std::memcpy(o, tmp, cols * sizeof(float));
-  }
+  store_rows<MB>(acc, out, m0, n, p);
 }
 
 // f(MB, m0) for blocks of rows m0 .. m0 + MB covering rows 0 .. rows - 1: kRowBlock at a time,
@@ -230,14 +236,7 @@ void bf16_panel(const uint32_t* x, const Bf16* wp, float* out, int64_t m0, int64
     }
   }
 #endif
-  int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-  for (int m = 0; m < MB; ++m) {
-    float* o = out + (m0 + m) * n + col;
-    float tmp[kPanel];
-    float* dst = cols == kPanel ? o : tmp;
-    for (int v = 0; v < kPanelVectors; ++v) store_vec(dst + v * kLanes, acc[m][v]);
-    if (cols != kPanel) std::memcpy(o, tmp, cols * sizeof(float));
-  }
+  store_rows<MB>(acc, out, m0, n, p);
 }
 
 // All rows (as pairs) against bf16 panels p0 .. p1 (K2 pairs of rows a panel).
@@ -590,14 +589,7 @@ void quad_panel(const QuantRows& x, const QuadWeight& w, float* out, int64_t m0,
         acc[m][v] += __builtin_convertvector(sums[m][v], vec) * (s * x.scales[(m0 + m) * blocks + b]);
     }
   }
-  int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-  for (int m = 0; m < MB; ++m) {
-    float* o = out + (m0 + m) * n + col;
-    float tmp[kPanel];
-    float* dst = cols == kPanel ? o : tmp;
-    for (int v = 0; v < kPanelVectors; ++v) store_vec(dst + v * kLanes, acc[m][v]);
-    if (cols != kPanel) std::memcpy(o, tmp, cols * sizeof(float));
-  }
+  store_rows<MB>(acc, out, m0, n, p);
 }
 
 template <int MB>
