@@ -129,9 +129,15 @@ def decide_int8(operation: str, int8_measurements, float_measurements) -> Choice
     model whose float weights stay in cache) the float32 choice runs, on the weights dequantised
     at load."""
     int8_measurements, chosen = tuple(int8_measurements), decide(operation, float_measurements)
-    int8 = all(m.speedup >= INT8_TOLERANCE and m.speedup * f.speedup > 1.0
-               for m, f in zip(int8_measurements, chosen.measurements))
+    int8 = _int8_pays(int8_measurements, chosen.measurements)
     return dataclasses.replace(chosen, kernel=int8 or chosen.kernel, int8=int8, int8_measurements=int8_measurements)
+
+
+def _int8_pays(int8_measurements, float_measurements) -> bool:
+    """``decide_int8``'s test of an int8 kernel: at every shape faster than XLA's op and at least
+    ``INT8_TOLERANCE`` of the float32 kernel's speed."""
+    return all(m.speedup >= INT8_TOLERANCE and m.speedup * f.speedup > 1.0
+               for m, f in zip(int8_measurements, float_measurements))
 
 
 def decide_w8a8(operation: str, w8a8_measurements, int8_measurements, float_measurements) -> Choice:
@@ -140,8 +146,7 @@ def decide_w8a8(operation: str, w8a8_measurements, int8_measurements, float_meas
     same test and is at least as fast as the exact one at every shape (or the exact one fails)."""
     chosen = decide_int8(operation, int8_measurements, float_measurements)
     w8a8_measurements = tuple(w8a8_measurements)
-    passes = all(m.speedup >= INT8_TOLERANCE and m.speedup * f.speedup > 1.0
-                 for m, f in zip(w8a8_measurements, chosen.measurements))
+    passes = _int8_pays(w8a8_measurements, chosen.measurements)
     faster = not chosen.int8 or all(w.speedup >= i.speedup
                                     for w, i in zip(w8a8_measurements, chosen.int8_measurements))
     w8a8 = passes and faster
