@@ -245,8 +245,8 @@ def moe(x_MD, gates_Mk, idx_Mk, weights, backend, dtype, valid_M=None, *, activa
     """``sum_j gate_j * expert_{idx_j}(x)`` for ``weights = (gate, up, down)``, stacked ``[E, ., .]``
     (or in the backend's layout).
 
-    A stable sort of the (token, slot) pairs by expert lists each expert's rows contiguously
-    (``R = M * k`` rows, ``sizes_E`` of them per expert); the backend's ``grouped_matmul`` runs
+    The (token, slot) pairs in a stable order by expert (``by_expert``) list each expert's rows
+    contiguously (``R = M * k`` rows, ``sizes_E`` of them per expert); the backend's ``grouped_matmul`` runs
     each group by its own expert; the gated rows are added back to their tokens. Each token's
     result depends on its own rows only. A token not in ``valid_M`` (``[M]`` bool; default all)
     takes the out-of-range expert E: its rows sort last, past every group, so no expert computes
@@ -260,8 +260,7 @@ def moe(x_MD, gates_Mk, idx_Mk, weights, backend, dtype, valid_M=None, *, activa
     expert_R = idx_Mk.reshape(-1)  # a token picks an expert at most once
     if valid_M is not None:
         expert_R = jnp.where(jnp.repeat(valid_M, top), expert_R, num_experts)
-    order_R = jnp.argsort(expert_R, stable=True)
-    sizes_E = jnp.zeros((num_experts,), jnp.int32).at[expert_R].add(1, mode="drop")  # expert E counts nowhere
+    order_R, sizes_E = by_expert(expert_R, num_experts)
     tok_R = order_R // top
     x_RD = x_MD[tok_R]
     hidden_RF = (gelu(backend.grouped_matmul(x_RD, gate, sizes_E, dtype), activation)
@@ -269,6 +268,33 @@ def moe(x_MD, gates_Mk, idx_Mk, weights, backend, dtype, valid_M=None, *, activa
     y_RD = backend.grouped_matmul(hidden_RF, down, sizes_E, dtype)
     y_RD = y_RD.astype(jnp.float32) * gates_Mk.reshape(-1)[order_R][:, None].astype(jnp.float32)
     return jnp.zeros((m, d), jnp.float32).at[tok_R].add(y_RD)
+
+
+PAIRWISE_ROWS = 64  # by_expert's cheaper way up to here (2-core EPYC, per layer: 16 rows 10 us against 51)
+
+
+def by_expert(expert_R, num_experts: int):
+    """The order of a stable sort of ``expert_R`` (``[R]`` ints in ``[0, E]``; E: no expert) and
+    each expert's count ``sizes_E``, without a sort: a row's place is the number of rows of a
+    lower expert plus those of its own expert before it; counted from every pair of rows up to
+    ``PAIRWISE_ROWS`` (a decode step's), else from a cumulative sum of one-hot rows ``[R, E + 1]``
+    (a prefill's; 8,192 rows: 0.45 ms against ``argsort``'s 1.2). XLA:CPU (jaxlib 0.10.2) turns a
+    sort's comparator into a native ``LessThan`` the first time the program runs, and then cannot
+    serialise the program (``UNIMPLEMENTED: `LessThan` is not serializable``)."""
+    rows = expert_R.shape[0]
+    row_R = jnp.arange(rows, dtype=jnp.int32)
+    if rows <= PAIRWISE_ROWS:
+        other, this = expert_R[None, :], expert_R[:, None]
+        place_R = jnp.sum((other < this) | ((other == this) & (row_R[None, :] < row_R[:, None])), axis=1,
+                          dtype=jnp.int32)
+        counts_E = jnp.sum(this == jnp.arange(num_experts, dtype=expert_R.dtype), axis=0, dtype=jnp.int32)
+    else:
+        onehot_RE = (expert_R[:, None] == jnp.arange(num_experts + 1, dtype=expert_R.dtype)).astype(jnp.int32)
+        before_R = jnp.sum(jnp.cumsum(onehot_RE, axis=0) * onehot_RE, axis=1) - 1
+        counts_E = jnp.sum(onehot_RE, axis=0)
+        place_R = (jnp.cumsum(counts_E) - counts_E)[expert_R] + before_R
+        counts_E = counts_E[:num_experts]
+    return jnp.zeros((rows,), jnp.int32).at[place_R].set(row_R, unique_indices=True), counts_E
 
 
 class DenseMLP(nn.Module):

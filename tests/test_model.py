@@ -12,7 +12,7 @@ from backends import XLA
 from backends.cpu.layout import ExpertWeights
 from backends.xla import group_rows
 from model import TINY, KVMemory, forward, init_params, new_memory
-from model.layers import MoELayer, rotary_embedding
+from model.layers import PAIRWISE_ROWS, MoELayer, by_expert, rotary_embedding
 from model.quant import dequantize
 from tests.backends import NAMES, arranged
 from tests.test_quant import quantize_params
@@ -173,6 +173,20 @@ def slow_moe(x_MD, probs_ME, params, top):
             gelu = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
             out[m] += probs_ME[m, e] * ((gelu * (x_MD[m] @ w["linear_v"][e])) @ w["linear_1"][e])
     return out
+
+
+@pytest.mark.parametrize("rows", [1, 16, PAIRWISE_ROWS, PAIRWISE_ROWS + 1, 777])
+@pytest.mark.parametrize("experts", [1, 8])
+def test_rows_by_expert_are_in_the_order_of_a_stable_sort(rows, experts):
+    """``by_expert`` (no sort: XLA:CPU cannot serialise a program that ran one) orders rows as a
+    stable argsort by expert would, rows of the unused expert E last, and counts each expert's,
+    both ways it counts (pairs of rows, cumulative sums)."""
+    rng = np.random.default_rng(rows * 10 + experts)
+    for expert_R in (rng.integers(0, experts + 1, rows), np.full(rows, experts), np.zeros(rows)):
+        expert_R = expert_R.astype(np.int32)
+        order_R, sizes_E = jax.jit(by_expert, static_argnums=1)(jnp.asarray(expert_R), experts)
+        np.testing.assert_array_equal(order_R, np.argsort(expert_R, kind="stable"))
+        np.testing.assert_array_equal(sizes_E, np.bincount(expert_R, minlength=experts + 1)[:experts])
 
 
 @pytest.mark.parametrize("quantized", [False, True])
