@@ -80,10 +80,24 @@ class XLA(Backend):
 
     def attention(self, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT=None, layer=None, rows_BT=None):
         if rows_BT is not None:  # reads the layer's keys block by block from the stack
-            return attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT, rows_BT, layer)
+            return attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT, rows_BT, layer,
+                               read=self.kv_block)
         if layer is not None:  # the layer's slice of the stack (fused into its reads on GPU and TPU)
             k_BKSH, v_BKSH = layer_of(k_BKSH, layer), layer_of(v_BKSH, layer)
         return attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, cap, temperature_BT)
+
+    def kv_block(self, cache, layer, rows_G, start, size: int, dtype):
+        """Positions ``[start, start + size)`` of cache rows ``rows_G`` (in range), of layer
+        ``layer`` of a stack ``[L, B, K, S, H]`` (or of a cache ``[B, K, S, H]`` with ``layer``
+        None; float, or an int8 record), in ``dtype``: ``[G, K, size, H]``."""
+        return kv_block(cache, layer, rows_G, start, size, dtype)
+
+    def copy_blocks(self, dst, src, valid_PJ, dst_row_PJ, dst_pos_PJ, src_row_PJ, src_pos_PJ, size: int):
+        """``dst`` (caches ``[L, R, K, S, H]``: a pytree, float or int8 records) with each block
+        (p, j) where ``valid_PJ`` copied from ``src`` (alike, other rows and positions): positions
+        ``[dst_pos, + size)`` of row ``dst_row`` take ``[src_pos, + size)`` of row ``src_row``, in
+        every layer (the prefix pool read into slots, or slots saved into it)."""
+        return copy_blocks(dst, src, valid_PJ, dst_row_PJ, dst_pos_PJ, src_row_PJ, src_pos_PJ, size)
 
     def sampling_cut(self, scaled_BV, top_k_B, nucleus_p_B):
         return sorted_threshold(scaled_BV, top_k_B, nucleus_p_B)
@@ -156,8 +170,41 @@ def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperatu
 ROW_BLOCK = 16  # queries a block of a packed prefill's attention (the runner aligns each chunk to it)
 
 
+def copy_blocks(dst, src, valid_PJ, dst_row_PJ, dst_pos_PJ, src_row_PJ, src_pos_PJ, size: int):
+    """``XLA.copy_blocks``: a loop on the device over each p's blocks from its first valid one to
+    its last (a call touches only the blocks it copies)."""
+    nb = valid_PJ.shape[1]
+    some_P = jnp.any(valid_PJ, axis=1)
+    first_P = jnp.where(some_P, jnp.argmax(valid_PJ, axis=1), 0)
+    count_P = jnp.where(some_P, nb - jnp.argmax(valid_PJ[:, ::-1], axis=1) - first_P, 0)
+
+    def block(p, j, out):
+        def put(d, s):
+            got = jax.lax.dynamic_slice(s, (0, src_row_PJ[p, j], 0, src_pos_PJ[p, j], 0),
+                                        (s.shape[0], 1, s.shape[2], size, s.shape[4]))
+            return jax.lax.dynamic_update_slice(d, got.astype(d.dtype), (0, dst_row_PJ[p, j], 0, dst_pos_PJ[p, j], 0))
+
+        return jax.lax.cond(valid_PJ[p, j], lambda: jax.tree_util.tree_map(put, out, src), lambda: out)
+
+    def row(p, out):
+        return jax.lax.fori_loop(first_P[p], first_P[p] + count_P[p], lambda j, o: block(p, j, o), out)
+
+    return jax.lax.fori_loop(0, valid_PJ.shape[0], row, dst)
+
+
+def kv_block(cache, layer, rows_G, start, size: int, dtype):
+    """``XLA.kv_block``: sliced and gathered by XLA (a bf16 cache as its bits, ``positions``)."""
+    def read(a):
+        if layer is None:
+            return jnp.take(jax.lax.dynamic_slice_in_dim(a, start, size, axis=2), rows_G, axis=0)
+        got = jax.lax.dynamic_slice(a, (layer, 0, 0, start, 0), (1, *a.shape[1:3], size, a.shape[4]))
+        return jnp.take(got[0], rows_G, axis=0)
+
+    return positions(cache, read, dtype)
+
+
 def attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temperature_BT, rows_BT, layer=None,
-                block: int = ROW_BLOCK):
+                block: int = ROW_BLOCK, read=kv_block):
     """``attend`` of queries that each read a cache row of their own, query (b, t) row
     ``rows_BT[b, t]`` (a packed prefill: several requests' chunks in one row of tokens). The
     queries are taken ``block`` at a time, every block against the cache row of one of its rows in
@@ -169,7 +216,8 @@ def attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temp
     one block against that row's keys, in the larger matmuls of ``attend_blocked``. A call's attention then costs about what its rows' own attention does,
     whichever rows share it. A query of no row (a cache row past the last: padding) gets zeros.
     With ``layer`` the caches are every layer's ``[L, B, K, S, H]``, of which each block of keys is
-    read from that layer (never a copy of the layer's whole cache)."""
+    read from that layer (never a copy of the layer's whole cache), by ``read`` (``kv_block``'s
+    arguments: a backend's ``kv_block``)."""
     b, t, n, h = q_BTNH.shape
     s, q = mask_BTS.shape[-1], b * t
     block = block if q % block == 0 else q
@@ -189,14 +237,8 @@ def attend_rows(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, cap: float, temp
         temp = None if temp_gC is None else temp_gC[:, None, None, :, None]
         last = jnp.max(jnp.where(allowed_gCS, positions_S, -1))
 
-        def key_block(j, carry):
-            def read(a):  # block j of keys of the rows r_g: [g, K, keys, H] (of the layer's)
-                if layer is None:
-                    return jnp.take(jax.lax.dynamic_slice_in_dim(a, j * keys, keys, axis=2), r_g, axis=0)
-                got = jax.lax.dynamic_slice(a, (layer, 0, 0, j * keys, 0), (1, *a.shape[1:3], keys, a.shape[4]))
-                return jnp.take(got[0], r_g, axis=0)
-
-            k_gKcH, v_gKcH = (positions(x, read, q_BTNH.dtype) for x in (k_BKSH, v_BKSH))
+        def key_block(j, carry):  # block j of keys of the rows r_g: [g, K, keys, H] (of the layer's)
+            k_gKcH, v_gKcH = (read(x, layer, r_g, j * keys, keys, q_BTNH.dtype) for x in (k_BKSH, v_BKSH))
             allowed = jax.lax.dynamic_slice_in_dim(allowed_gCS, j * keys, keys, axis=2)
             return online_softmax_step(carry, q_gCKGH, k_gKcH, v_gKcH, allowed, scale, cap, temp)
 

@@ -100,8 +100,8 @@ def choose(requested: str, mesh, config, params, batch: int, calibration_tokens:
     chosen_w8a8 = frozenset(op for op, choice in choices.items() if choice.w8a8)
     calibrated = ("every shape read from the cache" if not counts["measured"] else
                   f"{counts['measured']} of {counts['shapes']} shapes measured now, cached for the next start")
-    in_place = build.available()  # the KV cache's writes: never slower in place (CPU.write_in_place)
-    return Selection(CPU(on=on, int8=int8, w8a8=chosen_w8a8, dtype=dtype, write_in_place=in_place),
+    in_place = build.available()  # the KV cache's writes and prefill reads: never slower in place (CPU.kv_in_place)
+    return Selection(CPU(on=on, int8=int8, w8a8=chosen_w8a8, dtype=dtype, kv_in_place=in_place),
                      f"auto: one CPU device; each kernel where measured faster here; calibration: {calibrated}",
                      choices)
 

@@ -10,7 +10,7 @@
   its EOS, stop tokens or budget; or speculative steps (``runner.speculative.speculate``).
 
 ``apply(variables, tokens, memory, lengths, last_only, kv_len)`` is the model, and ``sampler`` the
-backend that ``sample_token`` cuts and summarises on.
+backend that ``sample_token`` cuts and summarises on (and that copies the prefix pool's blocks).
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, sco
     positions_T = (jnp.take(starts, batch.row, mode="fill", fill_value=0) + jnp.arange(batch.tokens.shape[0])
                    - jnp.take(batch.offset, batch.row, mode="fill", fill_value=0))
     if state.pool is not None:  # a first chunk after a cached prefix starts from its blocks
-        memory = read_prefix(state.pool, batch, memory)
+        memory = read_prefix(state.pool, batch, memory, sampler)
     last_P = batch.offset + jnp.maximum(batch.lengths - 1, 0)
     out = apply({"params": params}, batch.tokens[None], memory, None, False, None, slots_T[None], positions_T[None],
                 None if score else last_P)
     memory = out.memory.replace(step=memory.step.at[slots].set(starts + batch.lengths, mode="drop"))
     if state.pool is not None:
-        state = state.replace(pool=save_prefix(state.pool, batch, memory))
+        state = state.replace(pool=save_prefix(state.pool, batch, memory, sampler))
     if score:
         scores = score_positions(out.logits, batch.targets[None], sampler)
         logits = out.logits[0, last_P]
@@ -69,52 +69,29 @@ def prefill(apply, sampler, params, state: DecodeState, batch: PrefillBatch, sco
     return state, output, logits_BV, scores
 
 
-def _each_block(batch: PrefillBatch, body, carry, first_P, count_P):
-    """``body(p, j, carry)`` for blocks ``[first_P[p], first_P[p] + count_P[p])`` of each row p (a
-    loop on the device: a call touches only the blocks it reads or saves)."""
-    def row(p, carry):
-        return jax.lax.fori_loop(first_P[p], first_P[p] + count_P[p], lambda j, c: body(p, j, c), carry)
-
-    return jax.lax.fori_loop(0, batch.slots.shape[0], row, carry)
-
-
-def read_prefix(pool: PrefixPool, batch: PrefillBatch, memory: KVMemory) -> KVMemory:
+def read_prefix(pool: PrefixPool, batch: PrefillBatch, memory: KVMemory, backend) -> KVMemory:
     """``memory`` with positions ``[0, batch.cached)`` of each row's slot copied from its pool blocks
-    ``batch.read``, in place (a copy: the slot never refers to the pool again). Block by block, for
-    the rows that start from a cached prefix only."""
+    ``batch.read``, in place (a copy: the slot never refers to the pool again), by ``backend``'s
+    ``copy_blocks``: for the rows that start from a cached prefix only."""
     size, b = pool.block_size, memory.batch_size
-
-    def block(p, j, kv):
-        def put(full, blocks):  # [L, B, K, S, H] <- pool block [L, 1, K, size, H]
-            got = jax.lax.dynamic_slice_in_dim(blocks, batch.read[p, j], 1, axis=1)
-            return jax.lax.dynamic_update_slice(full, got.astype(full.dtype), (0, batch.slots[p], 0, j * size, 0))
-
-        return jax.tree_util.tree_map(put, kv, (pool.k, pool.v))
-
-    count = jnp.where(batch.slots < b, batch.cached // size, 0)
-    k, v = _each_block(batch, block, (memory.k, memory.v), jnp.zeros_like(count), count)
+    j_J = jnp.arange(batch.read.shape[1], dtype=jnp.int32)
+    valid = (j_J[None, :] < (batch.cached // size)[:, None]) & (batch.slots < b)[:, None]
+    k, v = backend.copy_blocks((memory.k, memory.v), (pool.k, pool.v), valid,
+                               jnp.broadcast_to(batch.slots[:, None], valid.shape),
+                               jnp.broadcast_to(j_J * size, valid.shape), batch.read, jnp.zeros_like(batch.read), size)
     return memory.replace(k=k, v=v)
 
 
-def save_prefix(pool: PrefixPool, batch: PrefillBatch, memory: KVMemory) -> PrefixPool:
+def save_prefix(pool: PrefixPool, batch: PrefillBatch, memory: KVMemory, backend) -> PrefixPool:
     """``pool`` with block j of each row's slot (as the call left it) written to pool block
-    ``batch.save[p, j]`` where that is a block (the rest is dropped): a loop over each row's blocks
-    from its first saved to its last. The call reads the pool (``read_prefix``) before it writes it."""
+    ``batch.save[p, j]`` where that is a block (the rest is dropped), by ``backend``'s
+    ``copy_blocks``. The call reads the pool (``read_prefix``) before it writes it."""
     size, b, none = pool.block_size, memory.batch_size, pool.num_blocks
-    saved = (batch.save < none) & (batch.slots < b)[:, None]  # [P, NB]
-    nb = saved.shape[1]
-    first = jnp.where(jnp.any(saved, axis=1), jnp.argmax(saved, axis=1), 0)
-    count = jnp.where(jnp.any(saved, axis=1), nb - jnp.argmax(saved[:, ::-1], axis=1) - first, 0)
-
-    def block(p, j, kv):
-        def put(blocks, full):  # pool [L, N, K, size, H] <- [L, 1, K, size, H] of the slot
-            got = jax.lax.dynamic_slice(full, (0, batch.slots[p], 0, j * size, 0),
-                                        (full.shape[0], 1, full.shape[2], size, full.shape[4]))
-            return jax.lax.dynamic_update_slice_in_dim(blocks, got.astype(blocks.dtype), batch.save[p, j], axis=1)
-
-        return jax.lax.cond(saved[p, j], lambda: jax.tree_util.tree_map(put, kv, (memory.k, memory.v)), lambda: kv)
-
-    k, v = _each_block(batch, block, (pool.k, pool.v), first, count)
+    valid = (batch.save < none) & (batch.slots < b)[:, None]  # [P, NB]
+    j_J = jnp.arange(valid.shape[1], dtype=jnp.int32)
+    k, v = backend.copy_blocks((pool.k, pool.v), (memory.k, memory.v), valid, batch.save, jnp.zeros_like(batch.save),
+                               jnp.broadcast_to(batch.slots[:, None], valid.shape),
+                               jnp.broadcast_to(j_J * size, valid.shape), size)
     return PrefixPool(k=k, v=v)
 
 

@@ -80,7 +80,7 @@ def test_the_runner_declines_a_kernel_the_calibration_finds_slower(tiny_params, 
     assert not isinstance(engine.params["language_model"]["in_out_embed"]["embeddings"], panel.PanelTable)
     assert "moe: XLA (kernel speed / XLA's: decode 1 rows 0.50x, prefill 64 rows 0.50x)" in engine.backend_report()
     # the attention on XLA's op, and the cache still written in place (never slower than a scatter)
-    assert engine.selection.backend.write_in_place and "KV cache written in place" in engine.backend_report()
+    assert engine.selection.backend.kv_in_place and "KV cache written and read in place" in engine.backend_report()
 
     # the measurement is cached beside the library: a second runner of the same shapes only reads it
     cached = json.loads(private_cache.read_text())

@@ -333,7 +333,7 @@ def test_without_the_kernels_the_cpu_backend_keeps_xla_ops(monkeypatch):
     params = init_params(TINY, jax.random.PRNGKey(0))
     engine = ModelRunner(model=TINY, params=params, backend="auto")
     engine = Executor.create(engine)
-    assert engine.selection.backend == CPU() and not engine.selection.backend.write_in_place
+    assert engine.selection.backend == CPU() and not engine.selection.backend.kv_in_place
     assert isinstance(_moe_weight(engine), ExpertWeights)
     assert "moe: XLA (it needs no C++ compiler found (test))" in engine.backend_report()
     with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
@@ -515,9 +515,9 @@ def test_the_cache_write_equals_the_scatter_and_is_in_place(kind):
     positions = jnp.asarray([[0, 1, 2], [13, 14, 15], [14, 15, 16], [4, 5, 99]], jnp.int32)  # some past the cache: dropped
     # in place with the attention kernel, and without it where asked (runner.selection asks
     # wherever the kernels are built: the write is never slower than XLA's scatter)
-    assert CPU(on=frozenset({"attention"})).write_in_place and not CPU(on=frozenset({"moe"})).write_in_place
-    backend = CPU(on=frozenset({"moe"}), write_in_place=True)
-    assert "KV cache written in place" in backend.describe()
+    assert CPU(on=frozenset({"attention"})).kv_in_place and not CPU(on=frozenset({"moe"})).kv_in_place
+    backend = CPU(on=frozenset({"moe"}), kv_in_place=True)
+    assert "KV cache written and read in place" in backend.describe()
     for layer in range(layers):
         want = write_kv(stack, layer, rows, positions, new)
         got = jax.jit(backend.write_kv)(stack, jnp.int32(layer), rows, positions, new)
@@ -534,6 +534,78 @@ def test_the_cache_write_equals_the_scatter_and_is_in_place(kind):
     assert [a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(written)] == where
     with pytest.raises(Exception, match="layer out of range"):
         jax.block_until_ready(jax.jit(backend.write_kv)(stack, jnp.int32(layers), rows, positions, new))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_a_block_of_keys_read_in_place_equals_xlas_slice(kind):
+    """The backend's read of a block of cache rows (``ops.kv_read``, a prefill's attention reading
+    the stack in place) gives what XLA's slice and gather give, bit for bit: any layer (a traced
+    index), rows in any order and repeated, a start clamped as ``dynamic_slice`` clamps it; a
+    stack of one layer's cache without the layer too. A layer past the stack is an error."""
+    from backends import XLA
+    from model.memory import quantize_kv
+
+    rng = np.random.default_rng(7)
+    layers, b, kv, s_max, h = 3, 4, 2, 24, 8
+    stack = jnp.asarray(rng.standard_normal((layers, b, kv, s_max, h)), jnp.float32)
+    stack = quantize_kv(stack) if kind == "int8" else stack.astype(kind)
+    backend = CPU(on=frozenset({"moe"}), kv_in_place=True)
+    assert "KV cache written and read in place" in backend.describe()
+    bits = lambda a: np.asarray(a.view(np.uint16) if a.dtype == jnp.bfloat16 else a)  # noqa: E731
+    dtype = jnp.float32 if kind == "int8" else jnp.dtype(kind)
+    for rows, start, size in (([2, 0, 3], 8, 8), ([1, 1], 0, 24), ([3], 20, 8), ([0, 2], 4, 4)):
+        rows = jnp.asarray(rows, jnp.int32)
+        for layer in range(layers):
+            read = lambda cache, layer, be: be.kv_block(cache, layer, rows, start, size, dtype)  # noqa: E731
+            want = jax.jit(read, static_argnums=2)(stack, jnp.int32(layer), XLA())
+            got = jax.jit(read, static_argnums=2)(stack, jnp.int32(layer), backend)
+            assert got.shape == want.shape == (len(rows), kv, size, h) and got.dtype == want.dtype
+            np.testing.assert_array_equal(bits(got), bits(want))
+        one = jax.tree_util.tree_map(lambda a: a[1], stack)
+        want = XLA().kv_block(one, None, rows, start, size, dtype)
+        np.testing.assert_array_equal(bits(backend.kv_block(one, None, rows, start, size, dtype)), bits(want))
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.block_until_ready(jax.jit(backend.kv_block, static_argnums=(4, 5))(
+            stack, jnp.int32(layers), jnp.asarray([0], jnp.int32), 0, 8, dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_blocks_copied_between_the_slots_and_the_pool_in_place_equal_xlas_copy(kind):
+    """The backend's block copy (``ops.kv_copy_blocks``: the prefix pool read into slots, slots
+    saved into it) copies what XLA's loop copies, bit for bit, both ways, only the valid blocks,
+    every layer; a donated destination is written where it lies."""
+    from backends import XLA
+    from model.memory import quantize_kv
+
+    rng = np.random.default_rng(9)
+    layers, slots, kv, s_max, h, blocks, size = 3, 4, 2, 32, 8, 6, 8
+    make = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    cast = (lambda a: quantize_kv(a)) if kind == "int8" else (lambda a: a.astype(kind))  # noqa: E731
+    stack = (cast(make(layers, slots, kv, s_max, h)), cast(make(layers, slots, kv, s_max, h)))
+    pool = (cast(make(layers, blocks, kv, size, h)), cast(make(layers, blocks, kv, size, h)))
+    backend = CPU(on=frozenset({"moe"}), kv_in_place=True)
+    valid = jnp.asarray([[True, True, False, False], [False, True, True, False], [False, False, False, False]])
+    slot_PJ = jnp.broadcast_to(jnp.asarray([[2], [0], [3]], jnp.int32), valid.shape)
+    pos_PJ = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32) * size, valid.shape)
+    block_PJ = jnp.asarray([[4, 1, 0, 0], [5, 3, 2, 0], [0, 0, 0, 0]], jnp.int32)
+    zero_PJ = jnp.zeros_like(block_PJ)
+    copies = {"into slots": lambda be, d, s: be.copy_blocks(d, s, valid, slot_PJ, pos_PJ, block_PJ, zero_PJ, size),
+              "into the pool": lambda be, d, s: be.copy_blocks(d, s, valid, block_PJ, zero_PJ, slot_PJ, pos_PJ, size)}
+    for what, (dst, src) in (("into slots", (stack, pool)), ("into the pool", (pool, stack))):
+        copy = copies[what]
+        want = jax.jit(copy, static_argnums=0)(XLA(), dst, src)
+        got = jax.jit(copy, static_argnums=0)(backend, dst, src)
+        for w, g, d in zip(*(jax.tree_util.tree_leaves(x) for x in (want, got, dst))):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            np.testing.assert_array_equal(np.asarray(g.view(np.uint16) if g.dtype == jnp.bfloat16 else g),
+                                          np.asarray(w.view(np.uint16) if w.dtype == jnp.bfloat16 else w), what)
+            assert not np.array_equal(np.asarray(w), np.asarray(d))  # something was copied
+        donated = jax.tree_util.tree_map(jnp.copy, dst)
+        where = [a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(donated)]
+        written = jax.jit(copy, static_argnums=0, donate_argnums=1)(backend, donated, src)
+        assert [a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(written)] == where
 
 
 @needs_kernel

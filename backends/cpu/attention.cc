@@ -19,6 +19,7 @@
 #include <immintrin.h>  // the int8 conversions
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -380,6 +381,71 @@ ffi::Error KvWrite(ffi::AnyBuffer stack, ffi::AnyBuffer update, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
+// A block of the cache read in place: positions [start, start + size) of rows `rows[g]` of layer
+// `layer` of a stack [L, B, K, S, H] (any dtype: copied as bytes), as [G, K, size, H]. Indices are
+// clamped as XLA's dynamic_slice and clamped gather clamp them (a row into [0, B), the start into
+// [0, S - size]). XLA:CPU slices a bf16 stack only through a copy of the whole stack (widened to
+// float32, or as its 16-bit patterns), once a layer in a prefill's loop over key blocks.
+ffi::Error KvRead(ffi::AnyBuffer stack, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> start,
+                  ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out) {
+  auto sd = stack.dimensions(), od = out->dimensions(), rd = rows.dimensions();
+  if (sd.size() != 5 || od.size() != 4 || rd.size() != 1 || start.dimensions().size() != 0 ||
+      layer.dimensions().size() != 0 || od[0] != rd[0] || od[1] != sd[2] || od[2] > sd[3] || od[3] != sd[4] ||
+      out->element_type() != stack.element_type())
+    return ffi::Error::InvalidArgument(
+        "kv_read: stack [L, B, K, S, H], rows [G], start and layer scalars, out [G, K, size <= S, H] of its dtype");
+  int32_t l = *layer.typed_data();
+  if (l < 0 || l >= sd[0]) return ffi::Error::InvalidArgument("kv_read: layer out of range");
+  const int64_t kv_heads = sd[2], s_max = sd[3], size = od[2];
+  const int64_t row = ffi::ByteWidth(stack.element_type()) * sd[4];  // bytes of one (head, position)
+  const int64_t from = std::clamp<int64_t>(*start.typed_data(), 0, s_max - size);
+  const auto* src = static_cast<const char*>(stack.untyped_data());
+  auto* dst = static_cast<char*>(out->untyped_data());
+  const int32_t* r = rows.typed_data();
+  for (int64_t g = 0; g < rd[0]; ++g) {
+    const int64_t b = std::clamp<int64_t>(r[g], 0, sd[1] - 1);
+    for (int64_t k = 0; k < kv_heads; ++k)
+      std::memcpy(dst + (g * kv_heads + k) * size * row,
+                  src + (((int64_t(l) * sd[1] + b) * kv_heads + k) * s_max + from) * row, size * row);
+  }
+  return ffi::Error::Success();
+}
+
+// Blocks of `size` positions copied between two caches of every layer, [L, R, K, S, H] and
+// [L, R', K, S', H] of one dtype (a slot stack and the prefix pool, either way): for each i,
+// positions [dst_pos[i], + size) of row dst_row[i] of `dst` take positions [src_pos[i], + size) of
+// row src_row[i] of `src`, in every layer and head; a pair with a row or block out of range
+// (dst_row -1: none) is skipped. The result aliases `dst`, so with it donated the copy is in place:
+// XLA:CPU's dynamic_update_slice into a bf16 pool widens the whole pool to float32 and back.
+ffi::Error KvCopyBlocks(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> dst_row,
+                        ffi::Buffer<ffi::S32> dst_pos, ffi::Buffer<ffi::S32> src_row, ffi::Buffer<ffi::S32> src_pos,
+                        int64_t size, ffi::Result<ffi::AnyBuffer> out) {
+  auto dd = dst.dimensions(), sd = src.dimensions(), pd = dst_row.dimensions();
+  auto same = [](auto a, auto b) { return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin()); };
+  if (dd.size() != 5 || sd.size() != 5 || pd.size() != 1 || dd[0] != sd[0] || dd[2] != sd[2] || dd[4] != sd[4] ||
+      src.element_type() != dst.element_type() || out->element_type() != dst.element_type() ||
+      !same(out->dimensions(), dd) || !same(dst_pos.dimensions(), pd) || !same(src_row.dimensions(), pd) ||
+      !same(src_pos.dimensions(), pd) || size < 1)
+    return ffi::Error::InvalidArgument(
+        "kv_copy_blocks: dst [L, R, K, S, H] and src [L, R', K, S', H] of one dtype, four index vectors [M], size >= 1");
+  auto* to = static_cast<char*>(out->untyped_data());
+  if (to != dst.untyped_data()) std::memcpy(to, dst.untyped_data(), dst.size_bytes());
+  const auto* from = static_cast<const char*>(src.untyped_data());
+  const int64_t row = ffi::ByteWidth(dst.element_type()) * dd[4], bytes = size * row;
+  const int32_t *dr = dst_row.typed_data(), *dp = dst_pos.typed_data(), *sr = src_row.typed_data(),
+                *sp = src_pos.typed_data();
+  for (int64_t i = 0; i < pd[0]; ++i) {
+    if (dr[i] < 0 || dr[i] >= dd[1] || dp[i] < 0 || dp[i] + size > dd[3] || sr[i] < 0 || sr[i] >= sd[1] || sp[i] < 0 ||
+        sp[i] + size > sd[3])
+      continue;
+    for (int64_t l = 0; l < dd[0]; ++l)
+      for (int64_t k = 0; k < dd[2]; ++k)
+        std::memcpy(to + (((l * dd[1] + dr[i]) * dd[2] + k) * dd[3] + dp[i]) * row,
+                    from + (((l * sd[1] + sr[i]) * sd[2] + k) * sd[3] + sp[i]) * row, bytes);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(decode_attention, DecodeAttention,
@@ -430,4 +496,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kv_write, KvWrite,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kv_read, KvRead,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kv_copy_blocks, KvCopyBlocks,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("size")
                                   .Ret<ffi::AnyBuffer>());

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from backends.cpu import build, layout, ops
@@ -47,19 +48,20 @@ class CPU(XLA):
     # and "The CPU stack as one loop").
     layers: str = "auto"
     # Whether the KV cache is written in place (``ops.kv_write``, byte for byte) rather than by
-    # XLA's scatter; None: where ``attention`` is taken. ``runner.selection`` sets it wherever the
-    # kernels are built: the write is never slower, and XLA:CPU's scatter into a bf16 stack copies
-    # the whole stack every layer, which made a bf16 batch-1 decode 2.5x slower where the
-    # attention kernel itself measured a tie with XLA's (AMD EPYC, 2 cores: 53 tokens/s against
-    # 131; docs/benchmarks-history.md, issue 52).
-    write_in_place: bool | None = None
+    # XLA's scatter, and a prefill's blocks of keys read in place (``ops.kv_read``) rather than
+    # sliced by XLA; None: where ``attention`` is taken. ``runner.selection`` sets it wherever the
+    # kernels are built: neither is ever slower, and XLA:CPU's scatter into a bf16 stack, and its
+    # slices of one, copy the whole stack every layer: the scatter made a bf16 batch-1 decode
+    # 2.5x slower where the attention kernel itself measured a tie with XLA's (AMD EPYC, 2 cores:
+    # 53 tokens/s against 131; docs/benchmarks-history.md, issue 52).
+    kv_in_place: bool | None = None
     name = "cpu"
 
     def __post_init__(self):
         if self.layers == "auto":
             object.__setattr__(self, "layers", "indexed" if "moe" in self.on else "unrolled")
-        if self.write_in_place is None:
-            object.__setattr__(self, "write_in_place", "attention" in self.on)
+        if self.kv_in_place is None:
+            object.__setattr__(self, "kv_in_place", "attention" in self.on)
         if self.layers == "indexed" and "moe" not in self.on:
             raise ValueError("CPU(layers='indexed') reads the experts from panels: it needs 'moe' in on")
         super().__post_init__()
@@ -81,7 +83,7 @@ class CPU(XLA):
         if jnp.dtype(self.dtype) == jnp.bfloat16 and self.on & {"moe", "projections", "unembed"}:
             how = "AVX512-BF16 dot" if build.bf16_dot() else "widened to float32 (no AVX512-BF16)"
             bf16 = f"; bf16 weights: {how}"
-        writes = "; KV cache written in place" if self.write_in_place and "attention" not in self.on else ""
+        writes = "; KV cache written and read in place" if self.kv_in_place and "attention" not in self.on else ""
         return (f"cpu (on the C++ kernels: {kernels}; experts {experts}"
                 f"{'; int8 weights read as int8: ' + int8 if int8 else ''}{bf16}{writes}; layers {self.layers})")
 
@@ -161,8 +163,28 @@ class CPU(XLA):
         return "attention" in self.on and ops.decode_attention_fits(config.num_q_heads, config.num_kv_heads,
                                                                     config.key_size)
 
+    def kv_block(self, cache, layer, rows_G, start, size, dtype):
+        if self.kv_in_place:
+            # read in place: XLA:CPU slices a bf16 stack through a copy of the whole stack (as its
+            # 16-bit patterns, ``backends.xla.moved_as_bits``) once a layer
+            read = (lambda a: ops.kv_read(a, layer, rows_G, start, size)) if layer is not None else \
+                (lambda a: ops.kv_read(a[None], 0, rows_G, start, size))
+            return jax.tree_util.tree_map(read, cache).astype(dtype)
+        return super().kv_block(cache, layer, rows_G, start, size, dtype)
+
+    def copy_blocks(self, dst, src, valid_PJ, dst_row_PJ, dst_pos_PJ, src_row_PJ, src_pos_PJ, size):
+        leaves = zip(jax.tree_util.tree_leaves(dst), jax.tree_util.tree_leaves(src))
+        if self.kv_in_place and all(d.dtype == s.dtype for d, s in leaves):
+            # in place, byte for byte: XLA:CPU's update of a bf16 pool (or stack) widens the whole
+            # of it to float32 and back, every call
+            rows = jnp.where(valid_PJ, dst_row_PJ, -1).reshape(-1)
+            return jax.tree_util.tree_map(
+                lambda d, s: ops.kv_copy_blocks(d, s, rows, dst_pos_PJ.reshape(-1), src_row_PJ.reshape(-1),
+                                                src_pos_PJ.reshape(-1), size), dst, src)
+        return super().copy_blocks(dst, src, valid_PJ, dst_row_PJ, dst_pos_PJ, src_row_PJ, src_pos_PJ, size)
+
     def write_kv(self, cache, layer, rows_BT, positions_BT, new_BTKH):
-        if self.write_in_place:
+        if self.kv_in_place:
             # in place, byte for byte: XLA:CPU's scatter into a bf16 stack copies the whole stack
             # for every layer (bench config, batch 8, KV 512, 2-core Xeon: a bf16 decode step
             # 20 ms against 80; float32 and int8 the same either way)

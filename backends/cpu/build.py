@@ -42,6 +42,8 @@ ATTENTION = "grok_runner_decode_attention"
 ATTENTION_INT8 = "grok_runner_decode_attention_int8"
 ATTENTION_BF16 = "grok_runner_decode_attention_bf16"
 KV_WRITE = "grok_runner_kv_write"
+KV_READ = "grok_runner_kv_read"
+KV_COPY_BLOCKS = "grok_runner_kv_copy_blocks"
 FILTER = "grok_runner_sampling_threshold"
 SUMMARY = "grok_runner_logits_summary"
 
@@ -113,7 +115,8 @@ def _build_once() -> str | None:
                     W8A8_GROUPED: library.grouped_w8a8_panel_matmul,
                     BF16_MATMUL: library.bf16_panel_matmul, BF16_GROUPED: library.grouped_bf16_panel_matmul,
                     ATTENTION: library.decode_attention, ATTENTION_INT8: library.decode_attention_int8,
-                    ATTENTION_BF16: library.decode_attention_bf16, KV_WRITE: library.kv_write,
+                    ATTENTION_BF16: library.decode_attention_bf16, KV_WRITE: library.kv_write, KV_READ: library.kv_read,
+                    KV_COPY_BLOCKS: library.kv_copy_blocks,
                     FILTER: library.sampling_threshold, SUMMARY: library.logits_summary}
     except (OSError, AttributeError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash, bad library
         return f"building or loading {lib} failed: {e}"

@@ -440,6 +440,41 @@ def kv_write(stack, layer, rows_BT, positions_BT, new_BTKH):
                 jnp.asarray(layer, jnp.int32))
 
 
+def kv_read(stack, layer, rows_G, start, size: int):
+    """Positions ``[start, start + size)`` of cache rows ``rows_G [G]`` of layer ``layer`` of
+    ``stack [L, B, K, S, H]`` (any dtype), read in place (attention.cc ``KvRead``): ``[G, K, size,
+    H]``, what ``jnp.take(dynamic_slice(stack[layer], start, size, axis=2), rows, axis=0)`` gives
+    for rows in range (indices are clamped as ``dynamic_slice`` clamps them). XLA:CPU slices a
+    bf16 stack only through a copy of the whole stack, once a layer of a prefill."""
+    if stack.ndim != 5 or rows_G.ndim != 1 or not 1 <= size <= stack.shape[3]:
+        raise ValueError(f"kv_read: stack {stack.shape}, rows {rows_G.shape} and size {size} do not match "
+                         "([L, B, K, S, H], [G], 1 <= size <= S)")
+    build.require()
+    out = jax.ShapeDtypeStruct((rows_G.shape[0], stack.shape[2], size, stack.shape[4]), stack.dtype)
+    return jax.ffi.ffi_call(build.KV_READ, out)(stack, rows_G.astype(jnp.int32), jnp.asarray(start, jnp.int32),
+                                                jnp.asarray(layer, jnp.int32))
+
+
+def kv_copy_blocks(dst, src, dst_row_M, dst_pos_M, src_row_M, src_pos_M, size: int):
+    """``dst [L, R, K, S, H]`` with, for each pair i, positions ``[dst_pos[i], + size)`` of row
+    ``dst_row[i]`` replaced by positions ``[src_pos[i], + size)`` of row ``src_row[i]`` of ``src
+    [L, R', K, S', H]`` (its dtype), in every layer; a pair out of range (a row -1) is skipped. The
+    result aliases ``dst``: donated, it is written in place (attention.cc ``KvCopyBlocks``), where
+    XLA:CPU's update of a bf16 pool widens the whole pool, every call."""
+    m = dst_row_M.shape
+    if (dst.ndim != 5 or src.ndim != 5 or src.dtype != dst.dtype or len(m) != 1 or size < 1
+            or (src.shape[0], src.shape[2], src.shape[4]) != (dst.shape[0], dst.shape[2], dst.shape[4])
+            or any(a.shape != m for a in (dst_pos_M, src_row_M, src_pos_M))):
+        raise ValueError(f"kv_copy_blocks: dst {dst.shape} {dst.dtype}, src {src.shape} {src.dtype}, index vectors "
+                         f"{[a.shape for a in (dst_row_M, dst_pos_M, src_row_M, src_pos_M)]} and size {size} do not "
+                         "match ([L, R, K, S, H] and [L, R', K, S', H] of one dtype, four [M], size >= 1)")
+    build.require()
+    call = jax.ffi.ffi_call(build.KV_COPY_BLOCKS, jax.ShapeDtypeStruct(dst.shape, dst.dtype),
+                            input_output_aliases={0: 0})
+    return call(dst, src, *(a.astype(jnp.int32) for a in (dst_row_M, dst_pos_M, src_row_M, src_pos_M)),
+                size=np.int64(size))
+
+
 def filter_threshold(scaled_BV, top_k_B, nucleus_p_B):
     """Per row of tempered logits ``scaled [B, V]``, the smallest logit that top-k (``top_k [B]``,
     0 = off) then top-p (``nucleus_p [B]``, >= 1 = off) sampling keeps: the rule of
