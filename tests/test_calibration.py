@@ -50,6 +50,12 @@ def test_an_int8_kernel_is_taken_only_where_it_beats_xla_and_the_float_kernel():
     assert chosen.kernel and chosen.int8
     assert chosen.describe() == ("moe: int8 kernel (int8 kernel speed / float kernel's: decode 8 rows 3.00x, prefill "
                                  "8 rows 0.97x; kernel speed / XLA's: decode 8 rows 2.00x, prefill 8 rows 1.50x)")
+    # a prefill tie measured a little under the float kernel is still a tie (INT8_TOLERANCE); a
+    # clear loss is not
+    assert calibration.decide_int8("moe", [m("decode", 1.65), m("prefill", 0.92)],
+                                   [m("decode", 2.0), m("prefill", 1.5)]).int8
+    assert not calibration.decide_int8("moe", [m("decode", 1.65), m("prefill", 0.85)],
+                                       [m("decode", 2.0), m("prefill", 1.5)]).int8
     # float weights in cache: the float kernel wins, and the weights are dequantised for it
     chosen = calibration.decide_int8("moe", [m("decode", 0.5), m("prefill", 1.0)], [m("decode", 7.0), m("prefill", 3.0)])
     assert chosen.kernel and not chosen.int8 and chosen.describe().startswith("moe: kernel on the dequantised copy")
