@@ -37,7 +37,7 @@ import re
 
 from checkpoints.lazy import LazyTensor, concatenated, stacked, transposed
 from checkpoints.native import _lazy, read_header
-from checkpoints.safe_pickle import CheckpointError
+from checkpoints.untrusted import MAX_DIMENSION, CheckpointError, shown
 from checkpoints.torch_zip import open_torch_zip
 from model.config import ModelConfig, ffn_size
 
@@ -135,6 +135,14 @@ def config_from_hf(data: dict, source: str, dtype: str | None = None) -> ModelCo
     def integer(key, default=None):
         return _number(data, key, source, default, int)
 
+    def dimension(key, default=None):  # a size: checked before any arithmetic uses it
+        value = integer(key, default)
+        if not 1 <= value <= MAX_DIMENSION:
+            raise CheckpointError(f"{source}: {key} must be an integer from 1 to {MAX_DIMENSION:,}, got {value:,}"
+                                  if abs(value) < 10 ** 30 else f"{source}: {key} must be an integer from 1 to "
+                                  f"{MAX_DIMENSION:,}, got one of {len(str(value)):,} digits")
+        return value
+
     def number(key, default=None):
         return float(_number(data, key, source, default))
 
@@ -145,19 +153,19 @@ def config_from_hf(data: dict, source: str, dtype: str | None = None) -> ModelCo
                                   f"(this runner implements {off[0]!r})")
     if data.get("attn_logit_softcapping_method", "tanh") != "tanh":
         raise CheckpointError(f"{source}: attn_logit_softcapping_method must be 'tanh'")
-    emb, heads = integer("hidden_size"), integer("num_attention_heads")
-    key_size = integer("head_dim", emb // heads if heads else None)
+    emb, heads = dimension("hidden_size"), dimension("num_attention_heads")
+    key_size = dimension("head_dim", emb // heads if emb >= heads else None)
     residual_moe = data.get("residual_moe", False)
     if not isinstance(residual_moe, bool):
         raise CheckpointError(f"{source}: residual_moe must be true or false")
-    expert = integer("moe_intermediate_size") if "moe_intermediate_size" in data else integer("intermediate_size")
-    shared = integer("intermediate_size") if residual_moe else 0
+    expert = dimension("moe_intermediate_size" if "moe_intermediate_size" in data else "intermediate_size")
+    shared = dimension("intermediate_size") if residual_moe else 0
     # Grok-1's rule (ffn_size) where a widening factor gives the size exactly, a whole one first
     widening = next((float(w) for w in (*range(1, 65), expert * 3 / 2 / emb if emb else 0)
                      if w and ffn_size(emb, w) == expert), None)
     explicit = 0 if widening else expert
     widening = widening or 8.0
-    experts = integer("num_local_experts") if "num_local_experts" in data else integer("num_experts")
+    experts = dimension("num_local_experts") if "num_local_experts" in data else dimension("num_experts")
     rope_type = data.get("rope_type", "original")
     if rope_type not in ("original", "yarn", "yarn_log"):
         raise CheckpointError(f"{source}: rope_type {str(rope_type)[:40]!r} is not supported "
@@ -165,10 +173,10 @@ def config_from_hf(data: dict, source: str, dtype: str | None = None) -> ModelCo
     rope = {}
     if rope_type != "original":  # "original": sglang keeps the unscaled frequencies
         rope = dict(rope_scaling=rope_type, rope_scaling_factor=number("scaling_factor"),
-                    rope_original_context=integer("original_max_position_embeddings"),
+                    rope_original_context=dimension("original_max_position_embeddings"),
                     rope_beta_fast=number("beta_fast", 32), rope_beta_slow=number("beta_slow", 1))
     elif "original_max_position_embeddings" in data:  # recorded, as the preset does
-        rope = dict(rope_original_context=integer("original_max_position_embeddings"),
+        rope = dict(rope_original_context=dimension("original_max_position_embeddings"),
                     rope_scaling_factor=number("scaling_factor", 1.0), rope_beta_fast=number("beta_fast", 32),
                     rope_beta_slow=number("beta_slow", 1))
     torch_dtype = data.get("torch_dtype", data.get("dtype", "bfloat16"))
@@ -176,11 +184,11 @@ def config_from_hf(data: dict, source: str, dtype: str | None = None) -> ModelCo
     temperature = integer("attn_temperature_len", -1)
     fields = dict(
         variant="grok-2" if residual_moe else "grok-1",
-        vocab_size=integer("vocab_size"), emb_size=emb, key_size=key_size, num_q_heads=heads,
-        num_kv_heads=integer("num_key_value_heads", heads), num_layers=integer("num_hidden_layers"),
+        vocab_size=dimension("vocab_size"), emb_size=emb, key_size=key_size, num_q_heads=heads,
+        num_kv_heads=dimension("num_key_value_heads", heads), num_layers=dimension("num_hidden_layers"),
         widening_factor=widening, expert_ffn_size=explicit, shared_ffn_size=shared,
-        num_experts=experts, num_selected_experts=integer("num_experts_per_tok"),
-        sequence_len=integer("max_position_embeddings"),
+        num_experts=experts, num_selected_experts=dimension("num_experts_per_tok"),
+        sequence_len=dimension("max_position_embeddings"),
         embedding_multiplier_scale=number("embedding_multiplier_scale", math.sqrt(emb) if emb else None),
         output_multiplier_scale=number("output_multiplier_scale", 1.0),
         attn_output_multiplier=number("attn_output_multiplier", key_size ** -0.5 if key_size else None),
@@ -323,7 +331,7 @@ def open_hf(directory: str, config: ModelConfig) -> dict:
             sources[f"transformer/decoder_layer_{i}/{leaf}"] = read(name, kind, leaf, prefix)
     unused = sorted(n for n in whole if n not in used and not _IGNORED.fullmatch(n))
     if unused:
-        raise CheckpointError(f"{directory}: tensor(s) {unused[:5]}{' ...' if len(unused) > 5 else ''} are not "
+        raise CheckpointError(f"{directory}: tensor(s) {shown(', '.join(unused[:5]))}{' ...' if len(unused) > 5 else ''} are not "
                               f"parameters of this config ({len(unused)} in all; {scheme} naming, "
                               f"{config.num_layers} layers, {config.num_experts} experts)")
     return sources

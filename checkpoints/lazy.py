@@ -11,6 +11,7 @@ from typing import Callable
 
 import numpy as np
 
+from checkpoints.untrusted import CheckpointError
 from model.host import host_empty
 
 
@@ -100,7 +101,7 @@ def _bounds(index: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
 def transposed(t: LazyTensor) -> LazyTensor:
     """A 2-D tensor stored ``[out, in]`` (PyTorch's Linear) as ``[in, out]``."""
     if len(t.shape) != 2:
-        raise ValueError(f"{t.source}: only a matrix can be transposed, got shape {t.shape}")
+        raise CheckpointError(f"{t.source}: a matrix was expected, got shape {t.shape}")
 
     def read_slice(index):
         (r0, r1), (c0, c1) = _bounds(index, t.shape[::-1])
@@ -116,7 +117,7 @@ def stacked(parts: list[LazyTensor], source: str) -> LazyTensor:
     shape, dtype = parts[0].shape, np.dtype(parts[0].dtype)
     for p in parts[1:]:
         if p.shape != shape or np.dtype(p.dtype) != dtype:
-            raise ValueError(f"{p.source}: shape {p.shape} {np.dtype(p.dtype)} differs from {parts[0].source}'s "
+            raise CheckpointError(f"{p.source}: shape {p.shape} {np.dtype(p.dtype)} differs from {parts[0].source}'s "
                              f"{shape} {dtype}")
 
     def read_slice(index):
@@ -139,11 +140,13 @@ def concatenated(parts: list[LazyTensor], axis: int, source: str) -> LazyTensor:
     read takes only the shards its slice overlaps."""
     first = parts[0]
     ndim, dtype = len(first.shape), np.dtype(first.dtype)
+    if not -ndim <= axis < ndim:
+        raise CheckpointError(f"{first.source}: a shard of shape {first.shape} cannot be joined along axis {axis}")
     axis = axis % ndim
     for p in parts[1:]:
         if (len(p.shape) != ndim or np.dtype(p.dtype) != dtype
                 or p.shape[:axis] + p.shape[axis + 1:] != first.shape[:axis] + first.shape[axis + 1:]):
-            raise ValueError(f"{p.source}: shard of shape {p.shape} {np.dtype(p.dtype)} does not join "
+            raise CheckpointError(f"{p.source}: shard of shape {p.shape} {np.dtype(p.dtype)} does not join "
                              f"{first.source}'s {first.shape} {dtype} along axis {axis}")
     starts = np.cumsum([0] + [p.shape[axis] for p in parts]).tolist()
     shape = first.shape[:axis] + (starts[-1],) + first.shape[axis + 1:]

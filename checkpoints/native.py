@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints.lazy import LazyQuantized, LazyTensor
-from checkpoints.safe_pickle import CheckpointError, regular_file
+from checkpoints.untrusted import CheckpointError, read_json, regular_file
 from model.config import ModelConfig
 from model.host import host_copy
 from model.sharding import path_str
@@ -74,17 +74,6 @@ def config_from_json(data: dict, source: str) -> ModelConfig:
                               f"{config.emb_size} and widening_factor {config.widening_factor} give, "
                               f"{config.ffn_size}")
     return config
-
-
-def read_json(path: str, what: str):
-    regular_file(path, what)
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read())
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({type(e).__name__})") from None
 
 
 def load_config(path: str, checkpoint: bool = False) -> ModelConfig:

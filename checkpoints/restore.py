@@ -18,8 +18,9 @@ from checkpoints.grok1_layout import open_original
 from checkpoints.hf_layout import config_from_hf, is_hf_config, open_hf
 from checkpoints.materialize import (_nest, _placeholder, check_sources, check_tokenizer, config_differences,
                                      materialize, resolve_config, stack_layers)
-from checkpoints.native import CONFIG, FORMAT, open_native, read_json
+from checkpoints.native import CONFIG, FORMAT, open_native
 from checkpoints.safe_pickle import CheckpointError
+from checkpoints.untrusted import read_json
 from model.config import ModelConfig
 
 @dataclasses.dataclass

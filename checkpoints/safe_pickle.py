@@ -22,29 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import stat
 import struct
 
 import ml_dtypes
 import numpy as np
 
-
-class CheckpointError(ValueError):
-    """A checkpoint file or directory that cannot be loaded safely and exactly."""
-
-
-def regular_file(path: str, what: str) -> None:
-    """``CheckpointError`` unless ``path`` is a regular file (a FIFO would block the reader forever)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
-    if not stat.S_ISREG(mode):
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-                "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                else "not a regular file")
-        raise CheckpointError(f"{path}: {what} is {kind}, not a regular file")
+from checkpoints.untrusted import CheckpointError, regular_file, shown  # noqa: F401 (read from here too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,7 +331,7 @@ class _Interpreter:
     def push_global(self, module: str, name: str):
         g = _Global(module, name)
         if g.kind == "forbidden":
-            raise self.error(f"refusing global {module}.{name}: a checkpoint tensor may only hold "
+            raise self.error(f"refusing global {shown(module)}.{shown(name)}: a checkpoint tensor may only hold "
                              "numpy arrays (bfloat16 included) and QuantizedWeight8bit records")
         self.stack.append(g)
 
@@ -393,14 +376,14 @@ class _Interpreter:
             return np.dtype(ml_dtypes.bfloat16)
         if isinstance(spec, str) and spec in _ALLOWED_DTYPE_NAMES:
             return np.dtype(spec)
-        shown = spec if isinstance(spec, str) and len(spec) <= 32 else f"a {type(spec).__name__}"
-        raise self.error(f"refusing array dtype {shown!r}: only numeric dtypes and bfloat16 are allowed")
+        told = spec if isinstance(spec, str) and len(spec) <= 32 else f"a {type(spec).__name__}"
+        raise self.error(f"refusing array dtype {shown(repr(told))}: only numeric dtypes and bfloat16 are allowed")
 
     def op_newobj(self):
         args, cls = self.pop(), self.pop()
         if not isinstance(cls, _Global) or cls.kind != "quantized" or not (isinstance(args, tuple) and args == ()):
             name = f"{cls.module}.{cls.name}" if isinstance(cls, _Global) else f"a {type(cls).__name__}"
-            raise self.error(f"refusing to construct {name}")
+            raise self.error(f"refusing to construct {shown(name)}")
         self.stack.append(_Quantized())
 
     def op_build(self):

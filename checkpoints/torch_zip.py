@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import struct
 import zipfile
 
@@ -23,7 +24,8 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints.lazy import LazyTensor
-from checkpoints.safe_pickle import CheckpointError, _Global, _Interpreter, regular_file
+from checkpoints.safe_pickle import _Global, _Interpreter
+from checkpoints.untrusted import CheckpointError, regular_file, shown
 
 _STORAGES = {
     "FloatStorage": np.float32, "BFloat16Storage": ml_dtypes.bfloat16, "HalfStorage": np.float16,
@@ -73,7 +75,7 @@ class _TorchInterpreter(_Interpreter):
     def push_global(self, module: str, name: str):
         g = _TorchGlobal(module, name)
         if g.kind == "forbidden":
-            raise self.error(f"refusing global {module}.{name}: a PyTorch state dict may only hold tensors "
+            raise self.error(f"refusing global {shown(module)}.{shown(name)}: a PyTorch state dict may only hold tensors "
                              "(torch._utils._rebuild_tensor_v2 over torch.*Storage) in OrderedDicts")
         self.stack.append(g)
 
@@ -105,7 +107,7 @@ class _TorchInterpreter(_Interpreter):
         elif func.kind == "parameter" and len(args) >= 1 and isinstance(args[0], _Tensor):
             self.push(args[0])
         else:
-            raise self.error(f"refusing a call to {func.module}.{func.name} with these arguments")
+            raise self.error(f"refusing a call to {shown(func.module)}.{shown(func.name)} with these arguments")
 
     def op_build(self):
         state, obj = self.pop(), self.top()
@@ -126,9 +128,19 @@ def _data_start(path: str, info: zipfile.ZipInfo) -> int:
         f.seek(info.header_offset)
         header = f.read(30)
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
-        raise CheckpointError(f"{path}: corrupted zip archive (no local header for {info.filename})")
+        raise CheckpointError(f"{path}: corrupted zip archive (no local header for {shown(info.filename)})")
     name_len, extra_len = struct.unpack("<HH", header[26:30])
     return info.header_offset + 30 + name_len + extra_len
+
+
+def _member_data(path: str, info: zipfile.ZipInfo, size: int) -> int:
+    """Where a stored member's bytes begin, checked to end within the file's ``size`` bytes (a
+    header may lie about a member's size or place)."""
+    start = _data_start(path, info)
+    if start + info.file_size > size:
+        raise CheckpointError(f"{path}: member {shown(info.filename)} claims {info.file_size:,} bytes at offset "
+                              f"{start:,}, past the end of the file ({size:,} bytes)")
+    return start
 
 
 def open_torch_zip(path: str) -> dict[str, LazyTensor]:
@@ -139,36 +151,44 @@ def open_torch_zip(path: str) -> dict[str, LazyTensor]:
                               "re-save it as safetensors")
     try:
         with zipfile.ZipFile(path) as archive:
-            members = {info.filename: info for info in archive.infolist()}
+            infos = archive.infolist()
+        size = os.path.getsize(path)
     except (zipfile.BadZipFile, OSError) as e:
-        raise CheckpointError(f"{path}: corrupted zip archive ({e})") from None
+        raise CheckpointError(f"{path}: corrupted zip archive ({shown(e)})") from None
+    members = {info.filename: info for info in infos}
+    if len(members) != len(infos):  # another reader (torch) may take the other copy: neither is trusted
+        twice = next(name for name in members if sum(info.filename == name for info in infos) > 1)
+        raise CheckpointError(f"{path}: member {shown(twice)} is in the archive more than once")
     pickles = [name for name in members if name.endswith("/data.pkl") and name.count("/") == 1]
     if len(pickles) != 1:
         raise CheckpointError(f"{path}: expected one <name>/data.pkl in the archive, found {len(pickles)}")
     root = pickles[0][: -len("data.pkl")]
     for info in members.values():
         if info.compress_type != zipfile.ZIP_STORED:
-            raise CheckpointError(f"{path}: member {info.filename} is compressed; torch.save stores them as they are")
+            raise CheckpointError(f"{path}: member {shown(info.filename)} is compressed; torch.save stores them as they are")
     byteorder = members.get(root + "byteorder")
     if byteorder is not None:
+        if byteorder.file_size > 16:
+            raise CheckpointError(f"{path}: member {shown(byteorder.filename)} of {byteorder.file_size:,} bytes: a "
+                                  "byte order is a word")
         with zipfile.ZipFile(path) as archive:
             order = archive.read(byteorder).strip()
         if order != b"little":
             raise CheckpointError(f"{path}: byte order {order[:16]!r}: only little-endian archives are read")
     info = members[pickles[0]]
-    tensors = _TorchInterpreter(path, _data_start(path, info), info.file_size).run()
+    tensors = _TorchInterpreter(path, _member_data(path, info, size), info.file_size).run()
     out = {}
     for name, tensor in tensors.items():
         member = members.get(f"{root}data/{tensor.storage.key}")
         if member is None:
-            raise CheckpointError(f"{path}: tensor {name[:200]!r}: storage {tensor.storage.key[:40]!r} is not in "
+            raise CheckpointError(f"{path}: tensor {shown(name)}: storage {shown(tensor.storage.key, 40)} is not in "
                                   "the archive")
         dtype, itemsize = tensor.storage.dtype, tensor.storage.dtype.itemsize
         if member.file_size != tensor.storage.numel * itemsize:
-            raise CheckpointError(f"{path}: tensor {name[:200]!r}: storage {tensor.storage.key!r} holds "
+            raise CheckpointError(f"{path}: tensor {shown(name)}: storage {shown(tensor.storage.key, 40)} holds "
                                   f"{member.file_size} bytes, {tensor.storage.numel} elements of {dtype} need "
                                   f"{tensor.storage.numel * itemsize}")
-        offset = _data_start(path, member) + tensor.offset * itemsize
+        offset = _member_data(path, member, size) + tensor.offset * itemsize
         out[name] = _lazy(path, name, tensor.shape, dtype, offset)
     return out
 
