@@ -25,6 +25,12 @@ def parser(prog: str) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' (env GROK_RUNNER_API_KEY)")
     p.add_argument("--chat-template", help="a Jinja2 chat template file (default: the checkpoint's "
                    "chat_template.jinja, else a plain 'Role: content' template)")
+    p.add_argument("--chat-template-seconds", type=flags.bounded(float, 0.001, None, "a number of seconds > 0"),
+                   default=None, help="time a chat template may take to render one request's messages; "
+                   "past it the request is a 400 (default 1)")
+    p.add_argument("--chat-template-chars", type=flags.bounded(int, 1, None, "an integer >= 1"), default=None,
+                   help="characters a chat template may write for one request; past them, or asked to build "
+                   "a longer string, the request is a 400 (default 4,000,000)")
     flags.model(p, 8, "default 8")
     p.add_argument("--max-waiting", type=flags.bounded(int, 0, None, "an integer >= 0"), default=256,
                    help="requests that may wait for a slot; beyond, 503 with Retry-After (default 256); a "
@@ -90,7 +96,7 @@ def serve(argv, prog: str) -> int:
     checkpoint = checkpoint_of(p, args)
     try:
         inspected = inspect_checkpoint(checkpoint, args, need_tokenizer=True)
-        template = _chat_template(args.chat_template)
+        template = _chat_template(args, checkpoint)
     except SystemExit as e:
         return e.code
     start_jax(p, args)
@@ -157,14 +163,18 @@ def serve(argv, prog: str) -> int:
     return rc
 
 
-def _chat_template(path):
-    """``--chat-template``: the template file, checked now (``SystemExit(2)`` naming the file)."""
-    if path is None:
-        return None
-    from server.chat import ChatTemplate
+def _chat_template(args, checkpoint: str):
+    """``--chat-template``'s file, else the checkpoint's own template, compiled now with the
+    budgets of ``--chat-template-seconds`` and ``--chat-template-chars`` (``SystemExit(2)`` naming
+    the file if it is not a template)."""
+    from server.chat import OUTPUT_BUDGET, TIME_BUDGET, ChatTemplate
 
+    budgets = dict(time_budget=args.chat_template_seconds or TIME_BUDGET,
+                   output_budget=args.chat_template_chars or OUTPUT_BUDGET)
     try:
-        return ChatTemplate.from_file(path)
+        if args.chat_template is None:
+            return ChatTemplate.for_checkpoint(checkpoint, **budgets)
+        return ChatTemplate.from_file(args.chat_template, **budgets)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

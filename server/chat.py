@@ -33,6 +33,8 @@ import json
 import os
 import re
 import secrets
+import threading
+import time
 from typing import Optional
 
 import jinja2
@@ -59,8 +61,128 @@ RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_toke
             "strftime_now")
 
 
+# A render's budgets (``ChatTemplate(time_budget=..., output_budget=...)``, ``serve
+# --chat-template-seconds`` and ``--chat-template-chars``): a template comes from a checkpoint or a
+# file, and rendering runs its loops on the server's host. A chat prompt longer than the longest
+# context (Grok-2's 131,072 tokens are under a million characters) is of no use, and a template
+# renders a conversation in milliseconds: 1 s and 4,000,000 characters stop a hostile one
+# (nested ``range`` loops, ``''.ljust(10**10)``, ``tojson(indent=10**9)``) long before it costs.
+TIME_BUDGET = 1.0
+OUTPUT_BUDGET = 4_000_000
+MAX_INDENT = 64  # tojson's indent: templates indent by 2 or 4
+
+
 class _Refusal(Exception):
     """The template called ``raise_exception``."""
+
+
+class _OverBudget(Exception):
+    """A render went past its time or output budget."""
+
+
+class _Budget:
+    """One render's deadline and character budget, checked at every call, operator and
+    attribute the sandbox sees, and on the output as it is produced."""
+
+    def __init__(self, seconds: float, chars: int):
+        self.deadline, self.chars, self.seconds = time.monotonic() + seconds, chars, seconds
+
+    def tick(self):
+        if time.monotonic() > self.deadline:
+            raise _OverBudget(f"took longer than its {self.seconds:g} s budget")
+
+    def size(self, n: int, what: str):
+        if n > self.chars:
+            raise _OverBudget(f"{what} of {n:,} characters is over its budget of {self.chars:,}")
+
+
+_budget = threading.local()  # the render running on this thread
+
+
+def _current() -> _Budget:
+    budget = getattr(_budget, "value", None)
+    return budget if budget is not None else _Budget(TIME_BUDGET, OUTPUT_BUDGET)
+
+
+def _length(value) -> int:
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
+
+
+def _grown(name: str, s: str, args: tuple) -> int:
+    """At most the length str method ``name`` makes of ``s`` with ``args`` (0: not one that grows
+    a string to a size its arguments choose)."""
+    ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+    if name in ("ljust", "rjust", "center", "zfill"):
+        return ints[0] if ints else 0
+    if name == "expandtabs":
+        return len(s) * max(1, ints[0] if ints else 8)
+    if name == "replace" and len(args) > 1:  # "" replaced inserts between every character
+        return (len(s) + 1) * (_length(args[1]) + 1)
+    return 0
+
+
+class _Environment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """Jinja2's immutable sandbox, its operators, calls and attribute reads checked against the
+    current render's ``_Budget``: sizes a result would have are refused before it is built."""
+
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+
+    def call_binop(self, context, operator, left, right):
+        budget = _current()
+        budget.tick()
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if _length(seq) and isinstance(n, int):
+                    budget.size(_length(seq) * n, "a repeated string or list")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+            budget.size(right * abs(left).bit_length() // 3, "a power")  # about its decimal digits
+        elif operator == "%" and isinstance(left, str):
+            args = right if isinstance(right, tuple) else (right,)
+            budget.size(len(left) + sum(a if isinstance(a, int) and a > 0 else _length(a) for a in args),
+                        "a formatted string")
+        out = super().call_binop(context, operator, left, right)
+        budget.size(_length(out), "a result")
+        return out
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's signature)
+        budget = _current()
+        budget.tick()
+        if isinstance(getattr(__obj, "__self__", None), str):
+            name = getattr(__obj, "__name__", "")
+            budget.size(_grown(name, __obj.__self__, args), f"str.{name}'s result")
+        out = super().call(__context, __obj, *args, **kwargs)
+        budget.size(_length(out), "a result")
+        return out
+
+    def getattr(self, obj, attribute):
+        _current().tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        _current().tick()
+        return super().getitem(obj, argument)
+
+
+_WIDTHS = ("center", "indent", "wordwrap", "truncate", "format")  # filters given a width or a format's
+
+
+def _bounded_filter(name: str, f):
+    """Jinja2's filter ``name``, its result checked against the render's budget, and for those
+    given a width (``_WIDTHS``) the width before it runs."""
+    def bounded(*args, **kwargs):
+        budget = _current()
+        budget.tick()
+        if name in _WIDTHS:
+            for a in list(args[1:]) + list(kwargs.values()):
+                if isinstance(a, int) and not isinstance(a, bool):
+                    budget.size(a, f"the {name} filter's width")
+        out = f(*args, **kwargs)
+        budget.size(_length(out), f"the {name} filter's result")
+        return out
+
+    if hasattr(f, "jinja_pass_arg"):  # pass_context / pass_environment: the same first argument
+        bounded.jinja_pass_arg = f.jinja_pass_arg
+    return bounded
 
 
 def _raise_exception(message):
@@ -69,6 +191,10 @@ def _raise_exception(message):
 
 def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
     # Hugging Face's tojson: JSON as json.dumps writes it (Jinja's own escapes <, >, & and ')
+    if indent is not None and not (isinstance(indent, int) and 0 <= indent <= MAX_INDENT) and not isinstance(indent, str):
+        raise _OverBudget(f"tojson's indent must be from 0 to {MAX_INDENT}")
+    if isinstance(indent, str):
+        _current().size(len(indent), "tojson's indent")
     return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
@@ -77,11 +203,16 @@ def _strftime_now(format: str) -> str:
 
 
 class ChatTemplate:
-    def __init__(self, source: str = DEFAULT_TEMPLATE, origin: str = "the default template"):
-        self.origin = origin
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, autoescape=False, extensions=[jinja2.ext.loopcontrols])
+    def __init__(self, source: str = DEFAULT_TEMPLATE, origin: str = "the default template",
+                 time_budget: float = TIME_BUDGET, output_budget: int = OUTPUT_BUDGET):
+        """``source`` compiled (a ValueError naming ``origin`` if it is not a template); each
+        render stops past ``time_budget`` seconds or ``output_budget`` characters (a 400)."""
+        self.origin, self.time_budget, self.output_budget = origin, time_budget, output_budget
+        env = _Environment(trim_blocks=True, lstrip_blocks=True, autoescape=False,
+                           extensions=[jinja2.ext.loopcontrols])
+        env.filters.update({name: _bounded_filter(name, f) for name, f in env.filters.items()})
         env.filters["tojson"] = _tojson
+        env.globals.pop("lipsum", None)  # lorem ipsum of any length: no chat template's need
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
             self.template = env.from_string(source)
@@ -89,12 +220,15 @@ class ChatTemplate:
             raise ValueError(f"{origin}: not a valid Jinja2 template: {e.message} (line {e.lineno})") from None
         except jinja2.TemplateError as e:
             raise ValueError(f"{origin}: not a valid Jinja2 template: {e}") from None
+        except (RecursionError, MemoryError) as e:  # 5,000 nested ifs: Python's parser gives up
+            raise ValueError(f"{origin}: not a usable Jinja2 template: too deeply nested to compile "
+                             f"({type(e).__name__})") from None
 
     @classmethod
-    def from_file(cls, path: str) -> "ChatTemplate":
+    def from_file(cls, path: str, **budgets) -> "ChatTemplate":
         """The template in ``path``: a Jinja2 file, or a Hugging Face ``tokenizer_config.json``
         (``.json``) with its ``chat_template`` (text, or a list of named templates: the one named
-        "default"). Errors name the file."""
+        "default"). Errors name the file. ``budgets``: ``time_budget`` and ``output_budget``."""
         try:
             with open(path, encoding="utf-8") as f:
                 source = f.read()
@@ -104,7 +238,7 @@ class ChatTemplate:
             raise ValueError(f"{path}: the chat template is not UTF-8 text ({e.reason} at byte {e.start})") from None
         if path.endswith(".json"):
             source = cls._from_config(source, path)
-        return cls(source, origin=path)
+        return cls(source, origin=path, **budgets)
 
     @staticmethod
     def _from_config(text: str, path: str) -> str:
@@ -122,15 +256,15 @@ class ChatTemplate:
         return template
 
     @classmethod
-    def for_checkpoint(cls, directory: str | None) -> "ChatTemplate":
+    def for_checkpoint(cls, directory: str | None, **budgets) -> "ChatTemplate":
         """A checkpoint's own template: its ``chat_template.jinja``, else the ``chat_template`` of
         its ``tokenizer_config.json``, else Grok-2's format where it holds Grok-2's tokenizer
         (``tokenizer.tok.json``), else the default."""
         if not directory:
-            return cls()
+            return cls(**budgets)
         path = os.path.join(directory, TEMPLATE_FILE)
         if os.path.isfile(path):
-            return cls.from_file(path)
+            return cls.from_file(path, **budgets)
         config = os.path.join(directory, "tokenizer_config.json")
         if os.path.isfile(config):
             try:
@@ -139,10 +273,10 @@ class ChatTemplate:
             except (OSError, ValueError):
                 data = None  # not a template source; from_file names the file if one is asked for
             if isinstance(data, dict) and "chat_template" in data:
-                return cls.from_file(config)
+                return cls.from_file(config, **budgets)
         if os.path.isfile(os.path.join(directory, "tokenizer.tok.json")):
-            return cls(GROK2_TEMPLATE, origin="Grok-2's chat format (as sglang and vLLM write it)")
-        return cls()
+            return cls(GROK2_TEMPLATE, origin="Grok-2's chat format (as sglang and vLLM write it)", **budgets)
+        return cls(**budgets)
 
     def render(self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True,
                special_tokens: Optional[dict[str, str]] = None, extra: Optional[dict] = None,
@@ -155,8 +289,21 @@ class ChatTemplate:
         names = {**(extra or {}), "messages": messages, "tools": tools,
                  "add_generation_prompt": add_generation_prompt,
                  "bos_token": "", "eos_token": "", **(special_tokens or {})}
+        budget = _Budget(self.time_budget, self.output_budget)
+        _budget.value = budget
         try:
-            text = self.template.render(**names)
+            parts, size = [], 0
+            for part in self.template.generate(**names):
+                size += len(part)
+                budget.size(size, "the rendered prompt")
+                budget.tick()
+                parts.append(part)
+            text = "".join(parts)
+        except _OverBudget as e:
+            raise ValueError(f"messages: {self.origin} could not render them: {e}") from None
+        except (RecursionError, MemoryError) as e:
+            raise ValueError(f"messages: {self.origin} could not render them: {type(e).__name__} "
+                             "(a template recursing without end, or a value too large)") from None
         except _Refusal as e:
             raise ValueError(f"messages: the chat template refused them: {e}") from None
         except jinja2.TemplateError as e:
@@ -164,6 +311,8 @@ class ChatTemplate:
         except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:  # a template's own mistake on
             # these messages (``None | trim``...): still theirs to see, as a 400
             raise ValueError(f"messages: {self.origin} could not render them: {type(e).__name__}: {e}") from None
+        finally:
+            _budget.value = None
         if continue_final_message:
             last = messages[-1].get("content") or ""
             end = text.rfind(last) if last else -1

@@ -202,3 +202,16 @@ def test_a_stored_compiled_step_is_loaded_only_from_files_this_user_alone_may_wr
     assert store.load("double") is None
     store.path.chmod(0o700)
     assert store.load("double") is not None
+
+
+@pytest.mark.parametrize("source, said", [("{% if true %}" * 5000 + "x" + "{% endif %}" * 5000, "too deeply nested"),
+                                          ("{% for %}", "not a valid Jinja2 template")])
+def test_a_chat_template_that_does_not_compile_stops_serve_in_one_line_naming_it(tmp_path, source, said):
+    """The template is compiled before anything else starts (5,000 nested ifs raised a
+    RecursionError out of the server before): one line naming the file, exit 2."""
+    template = tmp_path / "hostile.jinja"
+    template.write_text(source)
+    done = command("serve", "--chat-template", str(template), "--port", "1")
+    assert done.returncode == 2, done.stderr[-800:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {template}: ") and said in last and "Traceback" not in done.stderr
