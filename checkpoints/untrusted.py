@@ -34,6 +34,15 @@ SHOWN_CHARS = 200
 # parses in a moment (a 1.5 GB config.json was read whole before).
 JSON_BYTES = 16 << 20
 
+# A tokenizer file (tokenizer.model, tokenizer.json, tokenizer.tok.json): Grok-1's SentencePiece
+# model is 2 MB, Grok-2's tiktoken JSON and the largest Hugging Face tokenizer.json we know
+# (Gemma 3's, 262,144 tokens) under 35 MB; at 64 MB a parse still takes a second or two (a 200 MB
+# one, parsed three times, ended the process before).
+TOKENIZER_BYTES = 64 << 20
+
+# Tokens a tiktoken file may list: eight times the largest published vocabulary (262,144).
+MAX_VOCAB = 1 << 21
+
 # The largest size of any one dimension a config may give (hidden size, heads, layers, experts,
 # vocabulary, positions): Grok-1's largest is its 131,072-token vocabulary, Grok-2's its 131,072
 # positions; 2^24 leaves room for any model this runner could hold, and keeps every product of
@@ -88,3 +97,10 @@ def read_json(path: str, what: str, limit: int = JSON_BYTES, why: str = "JSON_BY
         return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: {what} is not valid JSON ({type(e).__name__})") from None
+
+
+def library_failure(error: BaseException) -> bool:
+    """Whether ``error``, raised out of a native library's call, is that call failing (a Rust
+    panic, ``pyo3_runtime.PanicException``, derives from BaseException) rather than the process
+    being stopped: a caller turns it into an error of its own, naming the file behind it."""
+    return not isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit))

@@ -347,7 +347,10 @@ class Server(Flows):
                 if (body.prompt is None) == (body.messages is None):
                     raise APIError(400, "tokenize needs exactly one of prompt and messages", "prompt")
                 text = body.prompt if body.prompt is not None else await asyncio.to_thread(self._render, body)
-                ids = await asyncio.to_thread(self.runner.tokenizer.encode, text) if isinstance(text, str) else text
+                try:
+                    ids = await asyncio.to_thread(self.runner.tokenizer.encode, text) if isinstance(text, str) else text
+                except ValueError as e:  # the tokenizer failing on this text (a pattern past its limit)
+                    raise APIError(400, str(e), "prompt" if body.prompt is not None else "messages") from None
                 # JSONResponse directly: FastAPI's encoder walks a long list in Python, on the loop
                 return JSONResponse({"tokens": ids, "count": len(ids),
                                      "max_model_len": self.runner.config.sequence_len})

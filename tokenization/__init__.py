@@ -24,10 +24,11 @@ FILES = ("tokenizer.model", "tokenizer.tok.json", "tokenizer.json")
 def load_tokenizer(path: str) -> Tokenizer:
     """The tokenizer in ``path``: a SentencePiece model, a Hugging Face ``tokenizer.json`` or a
     tiktoken JSON (told apart by their content). ``ValueError`` naming the file otherwise."""
+    from checkpoints.untrusted import TOKENIZER_BYTES, read_bounded
+
     if not os.path.isfile(path):
         raise ValueError(f"tokenizer file {path!r} does not exist")
-    with open(path, "rb") as f:
-        data = f.read()
+    data = read_bounded(path, "tokenizer", TOKENIZER_BYTES, "TOKENIZER_BYTES")  # read once, parsed once
     if not data.lstrip().startswith(b"{"):  # a SentencePiece model is a protocol buffer
         return SentencePieceTokenizer(path)
     try:
@@ -37,11 +38,11 @@ def load_tokenizer(path: str) -> Tokenizer:
     if isinstance(spec, dict) and "regular_tokens" in spec:
         from tokenization.tiktoken_json import TiktokenTokenizer
 
-        return TiktokenTokenizer(path)
+        return TiktokenTokenizer(path, spec)
     if isinstance(spec, dict) and "model" in spec:
         from tokenization.huggingface import HuggingFaceTokenizer
 
-        return HuggingFaceTokenizer(path)
+        return HuggingFaceTokenizer(path, spec, data)
     raise ValueError(f"{path}: JSON that is neither a Hugging Face tokenizer.json (no \"model\") nor a tiktoken "
                      "tokenizer (no \"regular_tokens\")")
 

@@ -32,18 +32,26 @@ def _byte_alphabet() -> dict[str, int]:
 class HuggingFaceTokenizer(Tokenizer):
     kind = "tokenizer.json"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, spec=None, data: bytes | None = None):
+        """The tokenizer of file ``path`` (``spec`` and ``data``: its JSON and bytes, if already
+        read: the file is read and parsed once)."""
         from tokenizers import Tokenizer as Backend
+
+        from checkpoints.untrusted import TOKENIZER_BYTES, library_failure, read_bounded, shown
 
         if not os.path.isfile(path):
             raise ValueError(f"tokenizer file {path!r} does not exist")
         self.path = path
+        if data is None:
+            data = read_bounded(path, "tokenizer", TOKENIZER_BYTES, "TOKENIZER_BYTES")
         try:
-            self.backend = Backend.from_file(path)
-        except Exception as e:  # the library raises its own exception types
-            raise ValueError(f"{path}: not a Hugging Face tokenizer.json ({str(e)[:200]})") from None
-        with open(path, "rb") as f:
-            spec = json.loads(f.read())
+            self.backend = Backend.from_str(data.decode("utf-8"))
+        except BaseException as e:  # the library raises its own exception types, and panics
+            if not library_failure(e):
+                raise
+            raise ValueError(f"{path}: not a Hugging Face tokenizer.json ({shown(e)})") from None
+        if spec is None:
+            spec = json.loads(data)
         self.byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer")) or \
             "ByteLevel" in json.dumps(spec.get("decoder"))
         self.normalizes = spec.get("normalizer") is not None
@@ -54,11 +62,9 @@ class HuggingFaceTokenizer(Tokenizer):
     def _named_ids(self, config_path: str) -> tuple[int, int]:
         if not os.path.isfile(config_path):
             return -1, -1
-        try:
-            with open(config_path, "rb") as f:
-                config = json.loads(f.read())
-        except (OSError, ValueError):
-            raise ValueError(f"{config_path}: not valid JSON") from None
+        from checkpoints.untrusted import read_json
+
+        config = read_json(config_path, "tokenizer config")
         ids = []
         for key in ("bos_token", "eos_token"):
             name = config.get(key) if isinstance(config, dict) else None
@@ -80,7 +86,15 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._eos
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        from checkpoints.untrusted import library_failure, shown
+
+        try:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        except BaseException as e:  # a pre-tokenizer's pattern failing on this text panics in Rust
+            if not library_failure(e):
+                raise
+            raise ValueError(f"{self.path}: the tokenizer failed on this text ({type(e).__name__}: "
+                             f"{shown(e, 120)})") from None
 
     def decode(self, ids) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)

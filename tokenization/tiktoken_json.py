@@ -10,7 +10,6 @@ As in sglang, a special token's text in a prompt is that token.
 
 from __future__ import annotations
 
-import json
 import os
 
 from tokenization.base import Tokenizer
@@ -22,9 +21,13 @@ EOS = "<|eos|>"
 
 
 def _entries(spec: dict, key: str, path: str) -> dict[bytes, int]:
+    from checkpoints.untrusted import MAX_VOCAB
+
     items = spec.get(key)
     if not isinstance(items, list):
         raise ValueError(f"{path}: {key} must be a list of {{bytes, token}} objects")
+    if len(items) > MAX_VOCAB:
+        raise ValueError(f"{path}: {key} lists {len(items):,} tokens, more than MAX_VOCAB ({MAX_VOCAB:,})")
     out = {}
     for n, item in enumerate(items):
         data = item.get("bytes") if isinstance(item, dict) else None
@@ -39,17 +42,17 @@ def _entries(spec: dict, key: str, path: str) -> dict[bytes, int]:
 class TiktokenTokenizer(Tokenizer):
     kind = "tiktoken"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, spec=None):
+        """The tokenizer of file ``path`` (``spec``: its JSON, if already read)."""
         import tiktoken
+
+        from checkpoints.untrusted import TOKENIZER_BYTES, read_json
 
         if not os.path.isfile(path):
             raise ValueError(f"tokenizer file {path!r} does not exist")
         self.path = path
-        try:
-            with open(path, "rb") as f:
-                spec = json.loads(f.read())
-        except (OSError, ValueError, RecursionError) as e:
-            raise ValueError(f"{path}: not a JSON tokenizer ({type(e).__name__})") from None
+        if spec is None:
+            spec = read_json(path, "tokenizer", TOKENIZER_BYTES, "TOKENIZER_BYTES")
         if not isinstance(spec, dict):
             raise ValueError(f"{path}: a tiktoken tokenizer file is a JSON object")
         ranks = _entries(spec, "regular_tokens", path)
@@ -65,6 +68,10 @@ class TiktokenTokenizer(Tokenizer):
                 raise ValueError(f"{path}: word_split {str(spec.get('word_split'))[:40]!r} is not V1 and no pat_str "
                                  "is given")
             pattern = V1_PATTERN
+        missing = [b for b in range(256) if bytes([b]) not in ranks]
+        if missing:  # tiktoken panics on a text holding such a byte
+            raise ValueError(f"{path}: byte 0x{missing[0]:02x} is no token ({len(missing)} of the 256 bytes are "
+                             "missing): a byte-level BPE needs every byte as a token of its own")
         ids = list(ranks.values()) + list(specials.values())
         if len(set(ids)) != len(ids):
             raise ValueError(f"{path}: two tokens share an id")
@@ -86,7 +93,15 @@ class TiktokenTokenizer(Tokenizer):
         return self.encoding._special_tokens.get(EOS, -1)
 
     def encode(self, text: str) -> list[int]:
-        return self.encoding.encode(text, allowed_special="all")
+        from checkpoints.untrusted import library_failure, shown
+
+        try:
+            return self.encoding.encode(text, allowed_special="all")
+        except BaseException as e:  # its pattern failing on this text (a backtrack limit), or a panic
+            if not library_failure(e):
+                raise
+            raise ValueError(f"{self.path}: the tokenizer failed on this text ({type(e).__name__}: "
+                             f"{shown(e, 120)})") from None
 
     def decode(self, ids) -> str:
         return self.encoding.decode_bytes([int(i) for i in ids if int(i) in self._bytes]).decode("utf-8", "replace")
