@@ -37,7 +37,7 @@ import re
 
 from checkpoints.lazy import LazyTensor, concatenated, stacked, transposed
 from checkpoints.native import _lazy, read_header
-from checkpoints.untrusted import MAX_DIMENSION, CheckpointError, shown
+from checkpoints.untrusted import HEADERS_BYTES, MAX_DIMENSION, CheckpointError, Spent, shown
 from checkpoints.torch_zip import open_torch_zip
 from model.config import ModelConfig, ffn_size
 
@@ -221,10 +221,10 @@ def config_from_hf(data: dict, source: str, dtype: str | None = None) -> ModelCo
         raise CheckpointError(f"{source}: config does not describe a model this runner can run: {e}") from None
 
 
-def _file_tensors(path: str) -> dict[str, LazyTensor]:
+def _file_tensors(path: str, spent: Spent) -> dict[str, LazyTensor]:
     if path.endswith(".bin"):
         return open_torch_zip(path)
-    header, data_start = read_header(path)
+    header, data_start = read_header(path, spent)
     return {name: _lazy(path, name, info, data_start) for name, info in header.items() if name != "__metadata__"}
 
 
@@ -238,10 +238,11 @@ def _tensors(directory: str) -> tuple[dict[str, LazyTensor], dict[str, list[tupl
         raise CheckpointError(f"{directory}: a Hugging Face config.json but no *.safetensors or *.bin weight files")
     whole: dict[str, LazyTensor] = {}
     shards: dict[str, list[tuple[int, LazyTensor]]] = {}
+    spent = Spent(HEADERS_BYTES, "HEADERS_BYTES")  # every file's header is kept: their sum is bounded
     for path in files:
         tp = _TP_FILE.fullmatch(os.path.basename(path))
         rank = None if tp is None or tp.group(1) == "common" else int(tp.group(1))
-        for name, tensor in _file_tensors(path).items():
+        for name, tensor in _file_tensors(path, spent).items():
             if rank is not None:
                 shards.setdefault(name, []).append((rank, tensor))
             elif name in whole:

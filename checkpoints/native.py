@@ -28,7 +28,8 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints.lazy import LazyQuantized, LazyTensor
-from checkpoints.untrusted import CheckpointError, read_json, regular_file
+from checkpoints.untrusted import (HEADER_BYTES, HEADERS_BYTES, CheckpointError, Spent, read_json,
+                                   regular_file)
 from model.config import ModelConfig
 from model.host import host_copy
 from model.sharding import path_str
@@ -201,11 +202,12 @@ def _is_count(x) -> bool:
     return type(x) is int and x >= 0  # bool is not a count
 
 
-def read_header(path: str) -> tuple[dict, int]:
+def read_header(path: str, spent: Spent | None = None) -> tuple[dict, int]:
     """Parse a safetensors header and check it: a JSON object of entries, each with a known
     ``dtype``, a ``shape`` of non-negative integers and two ``data_offsets`` inside the data
     section, exactly shape x dtype bytes apart, no two tensors' bytes overlapping. Return it and
-    the offset where the data starts."""
+    the offset where the data starts. At most ``HEADER_BYTES`` of header, and with ``spent`` (the
+    checkpoint's, ``HEADERS_BYTES``) at most that much across its files."""
     regular_file(path, "safetensors file")
     try:
         size = os.path.getsize(path)
@@ -214,14 +216,21 @@ def read_header(path: str) -> tuple[dict, int]:
             if len(head) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file (no header)")
             (length,) = struct.unpack("<Q", head)
-            if length > min(size - 8, 100 << 20):
+            if length > size - 8:
                 raise CheckpointError(f"{path}: corrupted or truncated safetensors header "
                                       f"(claims {length} bytes, file has {size})")
+            if length > HEADER_BYTES:
+                raise CheckpointError(f"{path}: a safetensors header of {length:,} bytes is larger than "
+                                      f"HEADER_BYTES ({HEADER_BYTES:,})")
+            if spent is not None:
+                spent.spend(path, length, "safetensors header")
             header = json.loads(f.read(length))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise CheckpointError(f"{path}: corrupted safetensors header (not JSON)") from None
+    except MemoryError:
+        raise CheckpointError(f"{path}: a safetensors header of {length:,} bytes does not fit in memory") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupted safetensors header (a JSON {type(header).__name__}, not an object)")
     data_start = 8 + length
@@ -295,7 +304,7 @@ def open_native(directory: str) -> tuple[ModelConfig, dict, str | None]:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index_path}: corrupted index (weight_map must be an object of tensor name -> file)")
-    headers = {}
+    headers, spent = {}, Spent(HEADERS_BYTES, "HEADERS_BYTES")
     tensors = {}
     for name, file in weight_map.items():
         if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", ".."):
@@ -305,7 +314,7 @@ def open_native(directory: str) -> tuple[ModelConfig, dict, str | None]:
         if file not in headers:
             if not os.path.exists(path):
                 raise CheckpointError(f"{path}: missing (it holds tensor {name})")
-            headers[file] = read_header(path)
+            headers[file] = read_header(path, spent)
         header, data_start = headers[file]
         if name not in header:
             raise CheckpointError(f"{path}: tensor {name} listed in the index is not in the file")

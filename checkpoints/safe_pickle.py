@@ -27,7 +27,8 @@ import struct
 import ml_dtypes
 import numpy as np
 
-from checkpoints.untrusted import CheckpointError, regular_file, shown  # noqa: F401 (read from here too)
+# CheckpointError and regular_file: read from here by other modules too
+from checkpoints.untrusted import MAX_MEMO, CheckpointError, regular_file, shown  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +276,8 @@ class _Interpreter:
         obj = self.top()
         if obj is _MARK:
             raise self.error("malformed pickle: a MARK cannot be memoised")
+        if key not in self.memo and len(self.memo) >= MAX_MEMO:
+            raise self.error(f"a pickle memoising more than MAX_MEMO ({MAX_MEMO:,}) objects")
         self.memo[key] = obj
 
     def op_long1(self):

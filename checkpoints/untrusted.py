@@ -40,6 +40,17 @@ JSON_BYTES = 16 << 20
 # one, parsed three times, ended the process before).
 TOKENIZER_BYTES = 64 << 20
 
+# A safetensors header (the JSON index of one file's tensors): a file of 5,000 tensors has one
+# under 1 MB; 64 MB a file, and 128 MB for all the files of one checkpoint together (nine files
+# of 100 MB headers each were all parsed and kept before).
+HEADER_BYTES = 64 << 20
+HEADERS_BYTES = 128 << 20
+
+# Objects a pickle may memoise: a numpy array's pickle memoises under 20, a PyTorch state dict a
+# few a tensor; 262,144 holds 50,000 tensors a file (36 MB of MEMOIZE opcodes grew the table
+# without end before).
+MAX_MEMO = 1 << 18
+
 # Tokens a tiktoken file may list: eight times the largest published vocabulary (262,144).
 MAX_VOCAB = 1 << 21
 
@@ -104,3 +115,16 @@ def library_failure(error: BaseException) -> bool:
     panic, ``pyo3_runtime.PanicException``, derives from BaseException) rather than the process
     being stopped: a caller turns it into an error of its own, naming the file behind it."""
     return not isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+class Spent:
+    """Bytes of one kind read so far across the files of one checkpoint, against a limit."""
+
+    def __init__(self, limit: int, why: str):
+        self.limit, self.why, self.bytes = limit, why, 0
+
+    def spend(self, path: str, n: int, what: str) -> None:
+        self.bytes += n
+        if self.bytes > self.limit:
+            raise CheckpointError(f"{path}: its {what} of {n:,} bytes brings the checkpoint's to {self.bytes:,}, past "
+                                  f"{self.why} ({self.limit:,} bytes)")

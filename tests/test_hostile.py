@@ -172,3 +172,30 @@ def test_convert_prints_one_error_line_and_exits_2(tensors, tmp_path):
     lines = done.stderr.strip().splitlines()
     assert "Traceback" not in done.stderr and len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-2000:]
     assert src in lines[0] and "q_proj" in lines[0]
+
+
+def test_a_pickle_memoising_without_end_is_refused_at_the_limit(tmp_path):
+    """36 MB of MEMOIZE opcodes grew the memo table without bound: at MAX_MEMO it stops."""
+    from checkpoints.safe_pickle import read_pickled_tensor
+    from checkpoints.untrusted import MAX_MEMO
+
+    path = tmp_path / "tensor00000_000"
+    path.write_bytes(b"\x80\x04N" + b"\x94" * (MAX_MEMO + 1) + b".")  # None, memoised again and again
+    one_line(lambda: read_pickled_tensor(str(path)), str(path), "MAX_MEMO")
+
+
+def test_headers_are_bounded_across_the_files_of_a_checkpoint(tensors, tmp_path, monkeypatch):
+    """Each file's header passed its own cap and all were kept: their sum is bounded too
+    (HEADERS_BYTES, lowered here to what two of these small files exceed)."""
+    import checkpoints.hf_layout
+
+    src = hf_dir(tmp_path / "hf", tensors)
+    names = list(tensors)
+    os.remove(os.path.join(src, "model-00001-of-00001.safetensors"))
+    for n in range(2):
+        _write(os.path.join(src, f"model-0000{n + 1}-of-00002.safetensors"), {k: tensors[k] for k in names[n::2]})
+    inspect(src)  # within the real limit
+    sizes = [struct.unpack("<Q", open(os.path.join(src, f"model-0000{n + 1}-of-00002.safetensors"), "rb").read(8))[0]
+             for n in range(2)]
+    monkeypatch.setattr(checkpoints.hf_layout, "HEADERS_BYTES", sizes[0] + sizes[1] // 2)
+    one_line(lambda: inspect(src), "model-00002-of-00002.safetensors", "HEADERS_BYTES")
