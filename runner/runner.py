@@ -435,11 +435,12 @@ def _build_engine(spec: InferenceRunner, startup: Startup, abstract: bool = Fals
     return Engine(scheduler, executor, outputs, spec.prepare)
 
 
-def _preflight(spec: InferenceRunner, mesh: jax.sharding.Mesh) -> None:
+def _preflight(spec: InferenceRunner, mesh: jax.sharding.Mesh, abstract: bool = False) -> None:
     """Every check that needs no weights, before the restore, so that a wrong flag fails in seconds
     rather than after hundreds of GB are read: the checkpoint's headers against its config, the
     tokenizer against the vocabulary (``checkpoints.restore.inspect``), and the weights and the
-    slots' KV against each device's memory where the devices report it (GPUs, TPUs)."""
+    slots' KV against each device's memory (``device_memory``: what GPUs and TPUs report, a CPU
+    device's share of the host's)."""
     if spec.runner.params is not None or spec.runner.checkpoint_path is None:
         return
     from checkpoints.restore import inspect
@@ -447,8 +448,8 @@ def _preflight(spec: InferenceRunner, mesh: jax.sharding.Mesh) -> None:
 
     inspected = inspect(spec.runner.checkpoint_path, spec.runner.model, spec.tokenizer_path)
     memory = device_memory(mesh.devices.flat[0])
-    if memory is None:
-        return
+    if memory is None or (abstract and mesh.devices.flat[0].platform == "cpu"):
+        return  # an abstract engine allocates nothing; on CPU it compiles for another machine
     config = inspected.config
     if spec.runner.dtype is not None:
         config = dataclasses.replace(config, fprop_dtype=spec.runner.dtype)
@@ -466,13 +467,38 @@ def _preflight(spec: InferenceRunner, mesh: jax.sharding.Mesh) -> None:
 
 
 def device_memory(device) -> Optional[int]:
-    """The bytes a device may hold, if it says (``memory_stats()["bytes_limit"]``: GPUs, TPUs; not CPUs)."""
+    """The bytes a device may hold: what it says (``memory_stats()["bytes_limit"]``: GPUs, TPUs),
+    or for a CPU device its share of the host's memory (``host_memory``, shared by the process's
+    CPU devices); None if neither is known."""
+    if device.platform == "cpu":
+        host = host_memory()
+        return None if host is None else host // max(1, len(jax.local_devices(backend="cpu")))
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - a backend without memory statistics
         return None
     limit = (stats or {}).get("bytes_limit")
     return int(limit) if limit else None
+
+
+def host_memory() -> Optional[int]:
+    """The host's physical memory, or the control group's limit where that is lower (a container);
+    None where neither can be read. A CPU run is planned against it before anything is allocated:
+    a config of 10^9 positions made the calibration ask for 59.6 GiB of caches on a 24 GiB host."""
+    sizes = []
+    try:
+        sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            if text.isdigit():
+                sizes.append(int(text))
+        except OSError:
+            continue
+    return min(sizes) if sizes else None
 
 
 class RunStream:

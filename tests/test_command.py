@@ -10,6 +10,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import jax
 import pytest
 
 from tests import COMPILE_FAST
@@ -154,6 +155,28 @@ def test_weights_and_kv_larger_than_a_device_fail_before_the_restore(reference_d
                                               model="grok-1-reference-tiny"), batch_size=2)
     with pytest.raises(ValueError, match=r"do not fit in its 0.0 GiB: use more devices on the mesh's model "
                                          r"axis \(--mesh\), a smaller --batch-size or --kv-dtype int8"):
+        spec.initialize(warmup=False)
+
+
+def test_a_cpu_run_is_planned_against_the_hosts_memory_before_the_restore(reference_dir, monkeypatch):
+    """CPU devices report no memory: a CPU run is planned against the host's (its share for each of
+    the process's CPU devices), so a config whose KV cannot fit (10^9 positions asked 59.6 GiB of
+    the calibration before) is refused before anything is read or allocated."""
+    import importlib
+
+    import runner.runner as runner_module
+    from runner import InferenceRunner, ModelRunner
+
+    assert 2**28 < runner_module.host_memory() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def no_restore(*args, **kwargs):
+        raise AssertionError("the restore ran")
+
+    monkeypatch.setattr(importlib.import_module("checkpoints.restore"), "materialize", no_restore)
+    monkeypatch.setattr(runner_module, "host_memory", lambda: 2**20 * len(jax.local_devices(backend="cpu")))
+    spec = InferenceRunner(runner=ModelRunner(checkpoint_path=str(reference_dir / "ckpt"),
+                                              model="grok-1-reference-tiny"), batch_size=2)
+    with pytest.raises(ValueError, match=r"do not fit in its 0.0 GiB"):
         spec.initialize(warmup=False)
 
 
