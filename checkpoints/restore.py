@@ -58,6 +58,14 @@ class Inspected:
     sources: dict = dataclasses.field(repr=False)  # the lazy tensors, for ``materialize``
 
 
+def _agreed(directory: str, stored: ModelConfig, passed: ModelConfig | None, says: str) -> ModelConfig:
+    """The config a checkpoint stores, which one passed in (if any) must equal."""
+    if passed is not None and passed != stored:
+        raise CheckpointError(f"{directory}: config.json {says} the config passed in: "
+                              f"{config_differences(stored, passed)} (checkpoint != passed)")
+    return stored
+
+
 def inspect(directory: str, config=None, tokenizer: str | None = None, *, need_tokenizer: bool = False,
             shard: int = 0) -> Inspected:
     """Every check that needs no weights, in seconds: the layout, the config (stored or passed: a
@@ -67,17 +75,14 @@ def inspect(directory: str, config=None, tokenizer: str | None = None, *, need_t
     ``CheckpointError`` naming the file otherwise."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: checkpoint directory does not exist")
+    passed = None if config is None else resolve_config(config)  # resolved once, here
     config_json = os.path.join(directory, CONFIG)
     has_config = os.path.exists(config_json)
     stored_json = read_json(config_json, "config") if has_config else None
     if has_config and not (isinstance(stored_json, dict) and stored_json.get("format") == FORMAT) \
             and is_hf_config(stored_json):
         layout = "huggingface"
-        stored = config_from_hf(stored_json, config_json)
-        if config is not None and resolve_config(config) != stored:
-            raise CheckpointError(f"{directory}: config.json describes another model than the config passed in: "
-                                  f"{config_differences(stored, resolve_config(config))} (checkpoint != passed)")
-        config = stored
+        config = _agreed(directory, config_from_hf(stored_json, config_json), passed, "describes another model than")
         sources = open_hf(directory, config)
         from tokenization import find_tokenizer as tokenizer_in
 
@@ -85,16 +90,13 @@ def inspect(directory: str, config=None, tokenizer: str | None = None, *, need_t
     elif has_config:
         layout = "native"
         stored, sources, tokenizer_path = open_native(directory)
-        if config is not None and resolve_config(config) != stored:
-            raise CheckpointError(f"{directory}: config.json differs from the config passed in: "
-                                  f"{config_differences(stored, resolve_config(config))} (checkpoint != passed)")
-        config = stored
+        config = _agreed(directory, stored, passed, "differs from")
     elif os.path.isdir(os.path.join(directory, "ckpt-0")):
         layout = "original"
-        if config is None:
+        if passed is None:
             raise CheckpointError(f"{directory}: an original Grok-1 checkpoint (ckpt-0/) stores no config; "
                                   "pass --config grok-1 (a preset name or a JSON file)")
-        config = resolve_config(config)
+        config = passed
         sources = open_original(directory, config, shard)
         tokenizer_path = find_tokenizer(directory)
     else:
