@@ -62,18 +62,49 @@ def test_shown_escapes_control_characters_and_cuts_long_text():
     assert shown("plain name") == "plain name"
 
 
+EXPERT = "model.layers.0.moe_block.experts.1.linear.weight"
+
+
 @pytest.mark.parametrize("bin", [False, True], ids=["safetensors", "bin"])
 @pytest.mark.parametrize("rank", [1, 3])
-def test_a_matrix_of_another_rank_names_the_file_and_tensor(tensors, tmp_path, rank, bin):
-    """A projection given as a vector or a 3-D array (a bare ValueError from the lazy transpose
-    before): the converter's error names the file and the tensor."""
+@pytest.mark.parametrize("name", [Q_PROJ, EXPERT], ids=["q_proj", "expert"])
+def test_a_matrix_of_another_rank_names_the_file_and_tensor(tensors, tmp_path, rank, bin, name):
+    """A projection or an expert given as a vector or a 3-D array (a bare ValueError from the
+    lazy transpose before): the converter's error names the file and the tensor."""
     bad = dict(tensors)
-    q = tensors[Q_PROJ]
-    bad[Q_PROJ] = q.reshape(-1) if rank == 1 else q.reshape(q.shape[0], -1, 2)
+    w = tensors[name]
+    bad[name] = w.reshape(-1) if rank == 1 else w.reshape(w.shape[0], -1, 2)
     src = hf_dir(tmp_path / "hf", bad, bin=bin)
     one_line(lambda: convert(src, str(tmp_path / "out"), tokenizer=TOKENIZER, progress=False),
-             src, "q_proj")
+             src, name.rsplit(".", 2)[0])
     assert not os.path.exists(tmp_path / "out" / "config.json")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_shard_of_another_rank_names_its_file(tmp_path, rank):
+    """Grok-2's experts split over TP files: a shard given as a scalar or a vector cannot be
+    joined (a bare ValueError or a ZeroDivisionError before)."""
+    from model import TINY_GROK2
+
+    tensors = hf_tensors(init_params(TINY_GROK2, jax.random.PRNGKey(7)), TINY_GROK2, "sglang")
+    src = tmp_path / "hf"
+    os.makedirs(src)
+    with open(src / "config.json", "w") as f:
+        json.dump(hf_config(TINY_GROK2, "sglang"), f)
+    common, shards = {}, [{}, {}]
+    for name, array in tensors.items():
+        kind = name.rsplit(".", 2)[-2]
+        if ".experts." in name and kind in ("w1", "w3", "w2"):
+            for r, piece in enumerate(np.split(array, 2, axis=1 if kind == "w2" else 0)):
+                shards[r][name] = np.ascontiguousarray(piece)
+        else:
+            common[name] = array
+    w1 = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+    shards[1][w1] = shards[1][w1].reshape(-1)[:1].reshape(()) if rank == 0 else shards[1][w1].reshape(-1)
+    _write(str(src / "pytorch_model-00001-TP-common.safetensors"), common)
+    for r, shard in enumerate(shards):
+        _write(str(src / f"pytorch_model-00001-TP-{r:03d}.safetensors"), shard)
+    one_line(lambda: inspect(str(src)), "TP-00", "w1")
 
 
 @pytest.mark.parametrize("key, value", [("hidden_size", -32), ("head_dim", 10 ** 12), ("num_hidden_layers", 0),
@@ -106,6 +137,19 @@ def test_an_unexpected_tensor_with_a_huge_name_is_shown_cut(tensors, tmp_path):
     bad["model.extra." + "x" * 50_000] = np.zeros((2,), np.float32)
     src = hf_dir(tmp_path / "hf", bad)
     one_line(lambda: inspect(src), src, "model.extra.", "more characters")
+
+
+def test_a_tiktoken_vocabulary_past_max_vocab_is_refused(tmp_path, monkeypatch):
+    """A tiktoken file of 10 million entries ended in a MemoryError traceback: it lists at most
+    MAX_VOCAB tokens (lowered here below the test vocabulary's 512)."""
+    import checkpoints.untrusted
+    from tests.tokenizer_files import write_tiktoken_json
+    from tokenization import load_tokenizer
+
+    path = write_tiktoken_json(tmp_path)
+    monkeypatch.setattr(checkpoints.untrusted, "MAX_VOCAB", 300)
+    with pytest.raises(ValueError, match=r"tokenizer\.tok\.json: regular_tokens lists .* more than MAX_VOCAB"):
+        load_tokenizer(path)
 
 
 def _rewritten(path, members):
