@@ -37,7 +37,7 @@ import re
 
 from checkpoints.lazy import LazyTensor, concatenated, stacked, transposed
 from checkpoints.native import _lazy, read_header
-from checkpoints.untrusted import HEADERS_BYTES, MAX_DIMENSION, CheckpointError, Spent, shown
+from untrusted import HEADERS_BYTES, MAX_DIMENSION, CheckpointError, Spent, shown
 from checkpoints.torch_zip import open_torch_zip
 from model.config import ModelConfig, ffn_size
 

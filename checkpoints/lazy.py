@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from checkpoints.untrusted import CheckpointError
+from untrusted import CheckpointError
 from model.host import host_empty
 
 

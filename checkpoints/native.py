@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints.lazy import LazyQuantized, LazyTensor
-from checkpoints.untrusted import (HEADER_BYTES, HEADERS_BYTES, CheckpointError, Spent, read_json,
+from untrusted import (HEADER_BYTES, HEADERS_BYTES, CheckpointError, Spent, read_json,
                                    regular_file)
 from model.config import ModelConfig
 from model.host import host_copy

@@ -20,7 +20,7 @@ from checkpoints.materialize import (_nest, _placeholder, check_sources, check_t
                                      materialize, resolve_config, stack_layers)
 from checkpoints.native import CONFIG, FORMAT, open_native
 from checkpoints.safe_pickle import CheckpointError
-from checkpoints.untrusted import read_json
+from untrusted import read_json
 from model.config import ModelConfig
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 # CheckpointError and regular_file: read from here by other modules too
-from checkpoints.untrusted import MAX_MEMO, CheckpointError, regular_file, shown  # noqa: F401
+from untrusted import MAX_MEMO, CheckpointError, regular_file, shown  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ import numpy as np
 
 from checkpoints.lazy import LazyTensor
 from checkpoints.safe_pickle import _Global, _Interpreter
-from checkpoints.untrusted import CheckpointError, regular_file, shown
+from untrusted import CheckpointError, regular_file, shown
 
 _STORAGES = {
     "FloatStorage": np.float32, "BFloat16Storage": ml_dtypes.bfloat16, "HalfStorage": np.float16,

@@ -18,7 +18,7 @@ from checkpoints import CheckpointError
 from checkpoints.convert import convert
 from checkpoints.restore import inspect
 from checkpoints.torch_zip import open_torch_zip
-from checkpoints.untrusted import JSON_BYTES, MAX_DIMENSION, SHOWN_CHARS, shown
+from untrusted import JSON_BYTES, MAX_DIMENSION, SHOWN_CHARS, shown
 from model import TINY, init_params
 from tests.hf_writers import _write, hf_config, hf_tensors, write_torch_bin
 
@@ -142,12 +142,12 @@ def test_an_unexpected_tensor_with_a_huge_name_is_shown_cut(tensors, tmp_path):
 def test_a_tiktoken_vocabulary_past_max_vocab_is_refused(tmp_path, monkeypatch):
     """A tiktoken file of 10 million entries ended in a MemoryError traceback: it lists at most
     MAX_VOCAB tokens (lowered here below the test vocabulary's 512)."""
-    import checkpoints.untrusted
+    import untrusted
     from tests.tokenizer_files import write_tiktoken_json
     from tokenization import load_tokenizer
 
     path = write_tiktoken_json(tmp_path)
-    monkeypatch.setattr(checkpoints.untrusted, "MAX_VOCAB", 300)
+    monkeypatch.setattr(untrusted, "MAX_VOCAB", 300)
     with pytest.raises(ValueError, match=r"tokenizer\.tok\.json: regular_tokens lists .* more than MAX_VOCAB"):
         load_tokenizer(path)
 
@@ -221,7 +221,7 @@ def test_convert_prints_one_error_line_and_exits_2(tensors, tmp_path):
 def test_a_pickle_memoising_without_end_is_refused_at_the_limit(tmp_path):
     """36 MB of MEMOIZE opcodes grew the memo table without bound: at MAX_MEMO it stops."""
     from checkpoints.safe_pickle import read_pickled_tensor
-    from checkpoints.untrusted import MAX_MEMO
+    from untrusted import MAX_MEMO
 
     path = tmp_path / "tensor00000_000"
     path.write_bytes(b"\x80\x04N" + b"\x94" * (MAX_MEMO + 1) + b".")  # None, memoised again and again

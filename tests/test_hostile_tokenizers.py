@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from checkpoints.untrusted import TOKENIZER_BYTES
+from untrusted import TOKENIZER_BYTES
 from tests.tokenizer_files import write_tiktoken_json, write_tokenizer_json
 from tokenization import load_tokenizer
 

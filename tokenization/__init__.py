@@ -24,7 +24,7 @@ FILES = ("tokenizer.model", "tokenizer.tok.json", "tokenizer.json")
 def load_tokenizer(path: str) -> Tokenizer:
     """The tokenizer in ``path``: a SentencePiece model, a Hugging Face ``tokenizer.json`` or a
     tiktoken JSON (told apart by their content). ``ValueError`` naming the file otherwise."""
-    from checkpoints.untrusted import TOKENIZER_BYTES, read_bounded
+    from untrusted import TOKENIZER_BYTES, read_bounded
 
     if not os.path.isfile(path):
         raise ValueError(f"tokenizer file {path!r} does not exist")

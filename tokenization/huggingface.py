@@ -37,7 +37,7 @@ class HuggingFaceTokenizer(Tokenizer):
         read: the file is read and parsed once)."""
         from tokenizers import Tokenizer as Backend
 
-        from checkpoints.untrusted import TOKENIZER_BYTES, library_failure, read_bounded, shown
+        from untrusted import TOKENIZER_BYTES, library_failure, read_bounded, shown
 
         if not os.path.isfile(path):
             raise ValueError(f"tokenizer file {path!r} does not exist")
@@ -62,7 +62,7 @@ class HuggingFaceTokenizer(Tokenizer):
     def _named_ids(self, config_path: str) -> tuple[int, int]:
         if not os.path.isfile(config_path):
             return -1, -1
-        from checkpoints.untrusted import read_json
+        from untrusted import read_json
 
         config = read_json(config_path, "tokenizer config")
         ids = []
@@ -86,7 +86,7 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._eos
 
     def encode(self, text: str) -> list[int]:
-        from checkpoints.untrusted import library_failure, shown
+        from untrusted import library_failure, shown
 
         try:
             return self.backend.encode(text, add_special_tokens=False).ids

@@ -21,7 +21,7 @@ EOS = "<|eos|>"
 
 
 def _entries(spec: dict, key: str, path: str) -> dict[bytes, int]:
-    from checkpoints.untrusted import MAX_VOCAB
+    from untrusted import MAX_VOCAB
 
     items = spec.get(key)
     if not isinstance(items, list):
@@ -46,7 +46,7 @@ class TiktokenTokenizer(Tokenizer):
         """The tokenizer of file ``path`` (``spec``: its JSON, if already read)."""
         import tiktoken
 
-        from checkpoints.untrusted import TOKENIZER_BYTES, read_json
+        from untrusted import TOKENIZER_BYTES, read_json
 
         if not os.path.isfile(path):
             raise ValueError(f"tokenizer file {path!r} does not exist")
@@ -93,7 +93,7 @@ class TiktokenTokenizer(Tokenizer):
         return self.encoding._special_tokens.get(EOS, -1)
 
     def encode(self, text: str) -> list[int]:
-        from checkpoints.untrusted import library_failure, shown
+        from untrusted import library_failure, shown
 
         try:
             return self.encoding.encode(text, allowed_special="all")
