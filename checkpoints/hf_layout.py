@@ -138,9 +138,8 @@ def config_from_hf(data: dict, source: str, dtype: str | None = None) -> ModelCo
     def dimension(key, default=None):  # a size: checked before any arithmetic uses it
         value = integer(key, default)
         if not 1 <= value <= MAX_DIMENSION:
-            raise CheckpointError(f"{source}: {key} must be an integer from 1 to {MAX_DIMENSION:,}, got {value:,}"
-                                  if abs(value) < 10 ** 30 else f"{source}: {key} must be an integer from 1 to "
-                                  f"{MAX_DIMENSION:,}, got one of {len(str(value)):,} digits")
+            raise CheckpointError(f"{source}: {key} must be an integer from 1 to {MAX_DIMENSION:,}, "
+                                  f"got {shown(value, 40)}")
         return value
 
     def number(key, default=None):

@@ -227,7 +227,9 @@ def read_header(path: str, spent: Spent | None = None) -> tuple[dict, int]:
             header = json.loads(f.read(length))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    except CheckpointError:
+        raise
+    except (ValueError, RecursionError):  # bad JSON or text, or an integer of over 4,300 digits
         raise CheckpointError(f"{path}: corrupted safetensors header (not JSON)") from None
     except MemoryError:
         raise CheckpointError(f"{path}: a safetensors header of {length:,} bytes does not fit in memory") from None

@@ -120,6 +120,16 @@ def test_a_config_size_out_of_range_names_the_key_before_any_arithmetic(tensors,
     assert len(message) < 300
 
 
+def test_a_config_json_with_an_integer_too_long_to_read_names_the_file(tensors, tmp_path):
+    """Python refuses to read an integer of over 4,300 digits with a plain ValueError (not a JSON
+    error): it escaped the JSON readers as a traceback."""
+    src = hf_dir(tmp_path / "hf", tensors)
+    text = open(os.path.join(src, "config.json")).read()
+    with open(os.path.join(src, "config.json"), "w") as f:
+        f.write(text.replace('"vocab_size": ', '"vocab_size": ' + "9" * 5000 + ", \"was\": ", 1))
+    one_line(lambda: inspect(src), "config.json", "not valid JSON")
+
+
 def test_a_config_json_past_its_limit_is_refused_unread(tensors, tmp_path):
     src = hf_dir(tmp_path / "hf", tensors)
     with open(os.path.join(src, "config.json"), "a") as f:  # valid JSON still: trailing blanks
