@@ -191,10 +191,10 @@ def _raise_exception(message):
 
 def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
     # Hugging Face's tojson: JSON as json.dumps writes it (Jinja's own escapes <, >, & and ')
-    if indent is not None and not (isinstance(indent, int) and 0 <= indent <= MAX_INDENT) and not isinstance(indent, str):
-        raise _OverBudget(f"tojson's indent must be from 0 to {MAX_INDENT}")
     if isinstance(indent, str):
         _current().size(len(indent), "tojson's indent")
+    elif indent is not None and not (isinstance(indent, int) and 0 <= indent <= MAX_INDENT):
+        raise _OverBudget(f"tojson's indent must be from 0 to {MAX_INDENT}")
     return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
@@ -211,7 +211,7 @@ class ChatTemplate:
         env = _Environment(trim_blocks=True, lstrip_blocks=True, autoescape=False,
                            extensions=[jinja2.ext.loopcontrols])
         env.filters.update({name: _bounded_filter(name, f) for name, f in env.filters.items()})
-        env.filters["tojson"] = _tojson
+        env.filters["tojson"] = _bounded_filter("tojson", _tojson)
         env.globals.pop("lipsum", None)  # lorem ipsum of any length: no chat template's need
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
